@@ -1,0 +1,1 @@
+"""The harnessrl Kubernetes operator (imported as ``harnessrl.operator``, never as the stdlib ``operator``)."""

@@ -1,0 +1,1 @@
+"""Trace-capture proxy: an OpenAI-compatible endpoint that records every call token-exactly."""
