@@ -41,3 +41,6 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="harnessrl")
 def main() -> None:
     """Harnessed agentic RL: train a model through the agent harness it is deployed in."""
+
+if __name__ == "__main__":
+    main()
