@@ -1,0 +1,188 @@
+"""Kubernetes shapes the spec reuses: names, quantities, env vars, resources, volumes, secret references.
+
+They follow the core API's spelling so that what a user knows from a Pod spec carries over, and so the
+operator can copy them into rendered objects unchanged.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Any
+from urllib.parse import urlsplit
+
+from pydantic import AfterValidator, Field, PlainValidator, WithJsonSchema
+from pydantic_core import PydanticCustomError
+
+from harnessrl.spec.base import SpecModel
+from harnessrl.spec.rules import Rule, exactly_one
+
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
+ABSOLUTE_PATH = r"^/"
+# Child objects are named "<run>-<suffix>"; a DNS-1035 label of at most 52 characters leaves room for the
+# suffixes and keeps Service names valid (the limit Kubernetes sets on CronJob names, for the same reason).
+RUN_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+RUN_NAME_MAX = 52
+# Strings that CEL rules read carry a maxLength, so the API server's cost estimate for the rule stays small.
+PATH_MAX = 4096
+QUANTITY = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+
+# What to tell a user whose string does not match one of the patterns above (problems.py looks them up).
+PATTERN_HINTS: dict[str, str] = {
+    DNS_SUBDOMAIN: "use a Kubernetes object name: lowercase letters, digits, '-' and '.', "
+    "starting and ending with a letter or digit",
+    ENV_NAME: "use letters, digits, '_', '-' and '.', not starting with a digit",
+    ABSOLUTE_PATH: "use an absolute path, starting with '/'",
+    RUN_NAME: "use lowercase letters, digits and '-', starting with a letter, e.g. swe-qwen-1",
+}
+
+
+def user_error(kind: str, message: str) -> PydanticCustomError:
+    """A validation error whose message is already the one-line text a user should read."""
+    # The message goes in as context, not as the template: pydantic templates do not understand {x!r}.
+    return PydanticCustomError(kind, "{message}", {"message": message})
+
+
+ObjectName = Annotated[str, Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
+"""The name of a Kubernetes object in the run's namespace (ConfigMap, Secret, PersistentVolumeClaim)."""
+
+
+def _check_quantity(value: Any) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and re.fullmatch(QUANTITY, value):
+        return value
+    if isinstance(value, float):
+        raise user_error(
+            "quantity_type",
+            f'{value} is not a Kubernetes quantity — quote it as a string, e.g. "{value}" or "500m"',
+        )
+    raise user_error(
+        "quantity_type",
+        f'{value!r} is not a Kubernetes quantity — use an integer or a string such as "500m", "2" or "4Gi"',
+    )
+
+
+Quantity = Annotated[
+    int | str,
+    PlainValidator(_check_quantity),
+    WithJsonSchema(
+        {
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "pattern": QUANTITY,
+            "x-kubernetes-int-or-string": True,
+        }
+    ),
+]
+"""A Kubernetes resource quantity: an integer or a string like ``500m`` or ``4Gi``."""
+
+
+def _check_cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise user_error(
+            "cidr", f"{value!r} is not a CIDR block — write it like 10.0.0.0/8 or 2001:db8::/32"
+        ) from None
+    return value
+
+
+Cidr = Annotated[str, AfterValidator(_check_cidr), Field(json_schema_extra={"format": "cidr"})]
+
+
+def _check_http_url(value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise user_error(
+            "http_url", f"{value!r} is not an http(s) URL — write it like http://vllm.example:8000/v1"
+        )
+    return value
+
+
+HttpUrl = Annotated[str, AfterValidator(_check_http_url), Field(json_schema_extra={"format": "uri"})]
+"""An http or https URL, kept as the user wrote it (no trailing slash added)."""
+
+
+class KeyRef(SpecModel):
+    """One key of a Secret or ConfigMap in the run's namespace."""
+
+    name: ObjectName
+    """The object's name."""
+    key: str = Field(min_length=1)
+    """The key inside the object."""
+
+
+class FieldRef(SpecModel):
+    """A field of the pod itself, as in the Kubernetes downward API."""
+
+    field_path: str = Field(min_length=1)
+    """For example ``metadata.name`` or ``status.podIP``."""
+
+
+class EnvVarSource(SpecModel):
+    """Where an environment variable's value comes from; exactly one source."""
+
+    secret_key_ref: KeyRef | None = None
+    """A key of a Secret."""
+    config_map_key_ref: KeyRef | None = None
+    """A key of a ConfigMap."""
+    field_ref: FieldRef | None = None
+    """A field of the pod."""
+
+    rules = (
+        exactly_one(
+            "valueFrom",
+            {
+                "secretKeyRef": "secret_key_ref",
+                "configMapKeyRef": "config_map_key_ref",
+                "fieldRef": "field_ref",
+            },
+            fix="set one of them, and only one",
+        ),
+    )
+
+
+class EnvVar(SpecModel):
+    """An environment variable, spelled as in a Kubernetes container."""
+
+    name: str = Field(min_length=1, pattern=ENV_NAME)
+    """The variable's name."""
+    value: str | None = None
+    """A literal value; numbers must be quoted, as in any Kubernetes env var."""
+    value_from: EnvVarSource | None = None
+    """Take the value from a Secret, a ConfigMap or the pod."""
+
+    rules = (
+        Rule(
+            cel="!(has(self.value) && has(self.valueFrom))",
+            holds=lambda e: not (e.value is not None and e.value_from is not None),
+            problem="an env var takes either value or valueFrom, not both",
+            fix="remove one of them",
+        ),
+    )
+
+
+class Resources(SpecModel):
+    """CPU, memory and accelerator requests and limits, as in a Kubernetes container."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    """What the scheduler reserves, e.g. ``{cpu: "4", memory: 16Gi}``."""
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+    """The most the container may use, e.g. ``{memory: 32Gi}``."""
+
+
+class Volume(SpecModel):
+    """A PersistentVolumeClaim mounted into the pods that need it."""
+
+    pvc: ObjectName
+    """The claim's name, in the run's namespace."""
+    mount_path: str = Field(max_length=PATH_MAX, pattern=ABSOLUTE_PATH)
+    """Where the claim is mounted; paths that use this volume must lie inside it."""
+    sub_path: str | None = None
+    """Mount only this folder of the claim."""
+    read_only: bool = True
+    """Mount read-only (models, task files); checkpoint volumes must set this to false."""

@@ -1,0 +1,113 @@
+"""``TrainingRun.status``: what harnessrl observed, in the shape `kubectl get` and dashboards read."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import Field
+
+from harnessrl.spec.base import StatusModel
+
+CONDITION_REASON = r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$"
+
+
+class Phase(StrEnum):
+    """Where a run is in its life."""
+
+    PENDING = "Pending"
+    PROVISIONING = "Provisioning"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    SUSPENDED = "Suspended"
+
+
+class Reason(StrEnum):
+    """Why the run is in its phase; a closed set so alerts and tests can match on it."""
+
+    CREATED = "Created"
+    PROVISIONING = "Provisioning"
+    RUNNING = "Running"
+    COMPLETED = "Completed"
+    SUSPENDED = "Suspended"
+    INVALID_SPEC = "InvalidSpec"
+    IMAGE_PULL_FAILED = "ImagePullFailed"
+    UNSCHEDULABLE = "Unschedulable"
+    LEARNER_CRASHED = "LearnerCrashed"
+    ROLLOUT_UNAVAILABLE = "RolloutUnavailable"
+    WEIGHT_SYNC_FAILED = "WeightSyncFailed"
+    STORE_UNAVAILABLE = "StoreUnavailable"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+
+
+class ConditionType(StrEnum):
+    """The conditions a run reports."""
+
+    ROLLOUT_READY = "RolloutReady"
+    LEARNER_READY = "LearnerReady"
+    STORE_READY = "StoreReady"
+    PROGRESSING = "Progressing"
+
+
+class ConditionStatus(StrEnum):
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
+
+
+class Condition(StatusModel):
+    """A Kubernetes condition (the metav1.Condition shape)."""
+
+    type: ConditionType
+    """What the condition is about."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: str = Field(min_length=1, max_length=1024, pattern=CONDITION_REASON)
+    """A CamelCase word for why."""
+    message: str = Field(default="", max_length=32768)
+    """Details for people."""
+    last_transition_time: datetime
+    """When status last changed."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The spec generation this condition describes."""
+
+
+class RolloutCounts(StatusModel):
+    """Rollouts by state, over the whole run."""
+
+    queued: int = Field(default=0, ge=0)
+    running: int = Field(default=0, ge=0)
+    succeeded: int = Field(default=0, ge=0)
+    failed: int = Field(default=0, ge=0)
+    timed_out: int = Field(default=0, ge=0)
+
+
+class TrainingRunStatus(StatusModel):
+    """Observed state of a run."""
+
+    phase: Phase | None = None
+    """Pending, Provisioning, Running, Succeeded, Failed or Suspended."""
+    reason: Reason | None = None
+    """Why the run is in its phase."""
+    message: str | None = None
+    """Details for people; for InvalidSpec, every problem `harnessrl validate` would print."""
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    """RolloutReady, LearnerReady, StoreReady, Progressing."""
+    observed_generation: int | None = Field(default=None, ge=0)
+    """The spec generation this status describes."""
+    policy_version: int | None = Field(default=None, ge=0)
+    """The policy version vLLM serves now."""
+    step: int | None = Field(default=None, ge=0)
+    """Optimizer steps taken."""
+    rollouts: RolloutCounts | None = None
+    """Rollouts by state."""
+    reward_mean: float | None = None
+    """Mean reward of the rollouts in the latest step."""
+    start_time: datetime | None = None
+    """When the run started running."""
+    completion_time: datetime | None = None
+    """When the run succeeded or failed."""
