@@ -1,0 +1,223 @@
+"""Hand-written cases for the row builder: each rule once, with the exact rows it must produce."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from harnessrl.store.records import CallRecord, CallStatus, StoredCall
+from harnessrl.trainer.rows import RowStats, calls_from_records, merge_calls_into_rows
+
+OK, ERROR, ABORTED = CallStatus.OK, CallStatus.ERROR, CallStatus.ABORTED
+
+
+def call(call_id, seq, suffix, completion, parent=None, status=OK, version=3, rollout="r", attempt=0):
+    logprobs = [-(seq + 1) - j / 10 for j in range(len(completion))]
+    return StoredCall(call_id, rollout, attempt, seq, parent, suffix, completion, logprobs, version, status)
+
+
+def arrays(row):
+    return row.input_ids.tolist(), row.loss_mask.tolist(), row.rollout_logprobs.tolist()
+
+
+def test_delta_calls_extend_one_row_with_masked_gaps():
+    calls = [
+        call("a", 0, [1, 2, 3], [4, 5]),
+        call("b", 1, [6, 7], [8], parent="a"),
+        call("c", 2, [], [9, 9], parent="b", version=4),
+    ]
+    result = merge_calls_into_rows(calls)
+    (row,) = result.rows
+    ids, mask, logprobs = arrays(row)
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 9]
+    assert mask == [0, 0, 0, 1, 1, 0, 0, 1, 1, 1]
+    assert logprobs == pytest.approx([0, 0, 0, -1, -1.1, 0, 0, -2, -3, -3.1])
+    assert row.call_ids == ("a", "b", "c")
+    assert row.completion_spans == ((3, 5), (7, 8), (8, 10))
+    assert row.policy_versions == (3, 3, 4) and row.min_policy_version == 3
+    assert (row.rollout_id, row.attempt) == ("r", 0)
+    assert result.stats.rows == 1 and result.stats.merged_calls == 2 and result.stats.row_tokens == 10
+    assert result.stats.generated_tokens == 5 and not result.stats.splits and not result.stats.dropped
+    with pytest.raises(ValueError):  # rows are read-only: transition rows share memory
+        row.input_ids[0] = 7
+
+
+@pytest.mark.parametrize(
+    ("second_prompt", "reason"),
+    [
+        ([1, 2, 3, 4, 9, 6], "template_drift"),  # differs inside the previous completion [4, 5]
+        ([1, 2, 3, 4], "template_drift"),  # ends inside the previous completion
+        ([1, 7, 3, 4, 5, 6], "history_edited"),  # differs inside the previous prompt, not shorter
+        ([1, 2, 7, 4, 5], "history_edited"),  # as long as the row, differs in the previous prompt
+        ([1, 2], "truncation"),  # shorter than the previous prompt
+        ([1, 3, 4, 5], "truncation"),  # a middle token cut out: shorter than the row it left
+    ],
+)
+def test_a_prompt_that_leaves_the_row_starts_a_new_one_and_counts_why(second_prompt, reason):
+    calls = [call("a", 0, [1, 2, 3], [4, 5]), call("b", 1, second_prompt, [8])]
+    result = merge_calls_into_rows(calls)
+    assert [row.call_ids for row in result.rows] == [("a",), ("b",)]
+    assert result.rows[1].input_ids.tolist() == second_prompt + [8]
+    assert dict(result.stats.splits) == {reason: 1}
+    assert result.stats.merged_calls == 0
+
+
+def test_a_parent_less_prompt_that_extends_the_row_is_merged():
+    calls = [call("a", 0, [1, 2, 3], [4, 5]), call("b", 1, [1, 2, 3, 4, 5, 6], [7])]
+    (row,) = merge_calls_into_rows(calls).rows
+    assert arrays(row)[0] == [1, 2, 3, 4, 5, 6, 7] and row.call_ids == ("a", "b")
+
+
+def test_retry_keeps_the_last_one_unless_the_next_call_extends_an_earlier_one():
+    first, retry = call("a", 0, [1, 2], [3]), call("a2", 1, [1, 2], [4])
+    result = merge_calls_into_rows([first, retry])
+    assert [r.call_ids for r in result.rows] == [("a2",)]
+    assert dict(result.stats.dropped) == {"duplicate": 1}
+
+    # The harness went on with the first answer: the next call extends "a", so "a" is the one kept.
+    following = call("b", 2, [1, 2, 3, 5], [6])
+    result = merge_calls_into_rows([first, retry, following])
+    (row,) = result.rows
+    assert row.call_ids == ("a", "b")
+    assert arrays(row)[:2] == ([1, 2, 3, 5, 6], [0, 0, 1, 0, 1])
+    assert dict(result.stats.dropped) == {"duplicate": 1} and not result.stats.splits
+
+
+def test_an_errored_call_is_dropped_and_its_retry_extends_the_row_through_it():
+    calls = [
+        call("a", 0, [1, 2], [3]),
+        call("e", 1, [4], [], parent="a", status=ERROR),  # the server failed; the harness resends
+        call("a2", 2, [], [5, 6], parent="e"),  # same prompt as "e", stored as its delta
+    ]
+    result = merge_calls_into_rows(calls)
+    (row,) = result.rows
+    assert arrays(row)[:2] == ([1, 2, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1])
+    assert row.call_ids == ("a", "a2")
+    assert dict(result.stats.dropped) == {"error": 1}
+
+
+def test_tokens_of_a_dropped_call_the_harness_went_on_with_are_context_with_mask_zero():
+    calls = [
+        call("a", 0, [1], [2]),
+        call("x", 1, [3], [4, 5], parent="a", status=ABORTED),  # partial answer the harness kept
+        call("b", 2, [6], [7], parent="x"),
+    ]
+    (row,) = merge_calls_into_rows(calls).rows
+    assert arrays(row)[:2] == ([1, 2, 3, 4, 5, 6, 7], [0, 1, 0, 0, 0, 0, 1])
+
+
+def test_an_errored_call_with_an_edited_history_is_set_aside_and_its_retry_starts_a_new_row():
+    calls = [
+        call("a", 0, [1, 2], [3]),
+        call("e", 1, [1, 9, 3, 4], [], status=ERROR),
+        call("b", 2, [5], [6], parent="e"),
+    ]
+    result = merge_calls_into_rows(calls)
+    assert [arrays(r)[0] for r in result.rows] == [[1, 2, 3], [1, 9, 3, 4, 5, 6]]
+    assert dict(result.stats.splits) == {"history_edited": 1}
+
+
+def test_a_call_whose_parent_is_unknown_is_dropped_with_its_descendants():
+    calls = [
+        call("a", 0, [1], [2]),
+        call("b", 1, [3], [4], parent="not-stored"),
+        call("c", 2, [5], [6], parent="b"),
+        call("d", 3, [1, 2, 7], [8]),
+    ]
+    result = merge_calls_into_rows(calls)
+    assert [r.call_ids for r in result.rows] == [("a", "d")]
+    assert dict(result.stats.dropped) == {"missing_parent": 2}
+
+
+def test_a_parent_whose_tokens_were_replaced_is_not_trusted():
+    # "e" sat past the kept content; the retry "a2" of "a" cut the row back to "a"'s prompt. A call that
+    # still names "e" as parent (against the store's seq-1 rule) cannot be rebuilt from the row any more.
+    calls = [
+        call("a", 0, [1], [2]),
+        call("e", 1, [3], [], parent="a", status=ERROR),
+        call("a2", 2, [1], [4]),
+        call("f", 3, [5], [6], parent="e"),
+    ]
+    result = merge_calls_into_rows(calls)
+    assert [r.call_ids for r in result.rows] == [("a2",)]
+    assert dict(result.stats.dropped) == {"error": 1, "duplicate": 1, "missing_parent": 1}
+
+
+def test_length_limits_drop_or_cut_and_count():
+    calls = [
+        call("a", 0, [1, 2], [3, 4]),
+        call("b", 1, [5], [6, 7, 8], parent="a"),  # prompt 5, completion cut to 2 by max_row_tokens=7
+        call("c", 2, [9], [10], parent="b"),  # prompt 9 >= 7: no room
+    ]
+    result = merge_calls_into_rows(calls, max_row_tokens=7)
+    (row,) = result.rows
+    assert arrays(row)[:2] == ([1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 1, 0, 1, 1])
+    assert row.completion_spans == ((2, 4), (5, 7))
+    assert result.stats.truncated_completions == 1 and result.stats.truncated_tokens == 1
+    assert dict(result.stats.dropped) == {"row_too_long": 1}
+
+    result = merge_calls_into_rows(calls, max_prompt_tokens=4)
+    assert [r.call_ids for r in result.rows] == [("a",)]
+    assert dict(result.stats.dropped) == {"prompt_too_long": 2}
+
+
+def test_empty_errored_and_malformed_calls_make_no_rows():
+    bad = call("m", 2, [1], [2, 3])
+    bad.logprobs = [-1.0]
+    calls = [call("e", 0, [1], [], status=ERROR), call("z", 1, [1], []), bad]
+    result = merge_calls_into_rows(calls)
+    assert result.rows == []
+    assert dict(result.stats.dropped) == {"error": 1, "empty": 1, "malformed": 1}
+    assert result.stats.calls == 3 and result.stats.rows == 0
+
+
+def test_transition_mode_one_row_per_call_sharing_the_prefix():
+    calls = [call("a", 0, [1, 2], [3]), call("b", 1, [4], [5, 6], parent="a")]
+    result = merge_calls_into_rows(calls, mode="transition")
+    assert [arrays(r)[:2] for r in result.rows] == [([1, 2, 3], [0, 0, 1]), ([1, 2, 3, 4, 5, 6], [0, 0, 0, 0, 1, 1])]
+    assert result.stats.rows == 2 and result.stats.merged_calls == 0 and result.stats.row_tokens == 9
+
+
+def test_calls_out_of_seq_order_are_sorted():
+    calls = [call("b", 1, [3], [4], parent="a"), call("a", 0, [1], [2])]
+    (row,) = merge_calls_into_rows(calls).rows
+    assert row.call_ids == ("a", "b")
+
+
+def test_calls_from_records_feeds_full_records_through_the_same_builder():
+    record = CallRecord(call_id="a", run="x", rollout_id="r", attempt=1, seq=0, route="chat", request={},
+                        response=None, prompt_token_ids=[1, 2], completion_token_ids=[3], logprobs=[-0.5],
+                        policy_version=2, status=OK, finish_reason="stop")
+    (stored,) = calls_from_records([record])
+    assert stored.parent_call_id is None and stored.prompt_suffix == [1, 2]
+    assert (stored.rollout_id, stored.attempt, stored.policy_version, stored.finish_reason) == ("r", 1, 2, "stop")
+    (row,) = merge_calls_into_rows([stored]).rows
+    assert arrays(row) == ([1, 2, 3], [0, 0, 1], [0, 0, -0.5])
+
+
+@pytest.mark.parametrize(
+    ("calls", "kwargs", "message"),
+    [
+        ([call("a", 0, [1], [2]), call("b", 1, [1], [2], rollout="other")], {}, r"calls\[1\]: belongs to rollout"),
+        ([call("a", 0, [1], [2]), call("a", 1, [1], [2])], {}, r"calls\[1\]\.call_id: 'a' appears twice"),
+        ([call("a", 1, [1], [2]), call("b", 1, [1], [2]), call("c", 0, [1], [2])], {}, "share seq 1"),
+        ([], {"mode": "rows"}, "mode: 'rows' is not a row mode"),
+        ([], {"max_row_tokens": 0}, "max_row_tokens: 0 is below 1"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_naming_the_field(calls, kwargs, message):
+    with pytest.raises(ValueError, match=message) as info:
+        merge_calls_into_rows(calls, **kwargs)
+    assert "\n" not in str(info.value)
+
+
+def test_stats_add_up_and_flatten_for_metrics():
+    one = merge_calls_into_rows([call("a", 0, [1], [2]), call("b", 1, [5], [6])]).stats
+    two = merge_calls_into_rows([call("a", 0, [1], [], status=ERROR)]).stats
+    total = RowStats()
+    total.add(one)
+    total.add(two)
+    metrics = total.as_metrics()
+    assert metrics["calls"] == 3 and metrics["rows"] == 2 and metrics["dropped_error"] == 1
+    assert metrics["split_truncation"] == 1 and metrics["split_history_edited"] == 0
+    assert np.isclose(metrics["row_tokens"], 4)
