@@ -8,7 +8,11 @@ scripts/setup.sh test
 . .venv/bin/activate
 # shellcheck disable=SC1091
 . scripts/postgres.sh
-start_postgres || echo "WARNING: no PostgreSQL server could be started; PostgreSQL tests will be skipped" >&2
+if start_postgres; then
+  export HARNESSRL_TEST_PG_REQUIRED=1   # a server is up: a PostgreSQL test that cannot reach it must fail
+else
+  echo "WARNING: no PostgreSQL server could be started; PostgreSQL tests will be skipped" >&2
+fi
 trap stop_postgres EXIT
 set +e
 python -m pytest "$@"

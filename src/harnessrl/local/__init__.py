@@ -1,0 +1,1 @@
+"""`harnessrl run`: a TrainingRun on one machine, with processes where the operator uses pods."""

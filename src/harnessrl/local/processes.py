@@ -1,0 +1,150 @@
+"""Harness runs as local processes: the local runner's ``RolloutBackend``.
+
+A process gets the same contract as a harness pod (DESIGN.md §4): its task as JSON in a file and in an env
+variable, ``OPENAI_BASE_URL`` of its own proxy, and its attribution in ``HARNESSRL_*`` variables. Each run gets
+its own session (process group) so a timeout kills the harness and everything it spawned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from harnessrl.scheduler import HarnessExit, Launch
+
+
+@dataclass
+class _Running:
+    process: subprocess.Popen[bytes]
+    log: IO[bytes]
+    directory: Path
+    stop_reason: str | None = None
+
+
+class ProcessBackend:
+    """Starts one process per rollout attempt in ``workdir/rollouts/<rollout>-a<attempt>/``."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        workdir: Path,
+        *,
+        env: Mapping[str, str] | None = None,
+        env_for: Callable[[Launch], Mapping[str, str]] | None = None,
+        cwd: Path | None = None,
+        kill_grace_s: float = 5.0,
+    ) -> None:
+        if not command:
+            raise ValueError("harness.command is empty: give the command that starts one harness run")
+        self.command = list(command)
+        self.workdir = Path(workdir)
+        self.env = dict(env or {})
+        self.env_for = env_for
+        self.cwd = cwd
+        self.kill_grace_s = kill_grace_s
+        self._runs: dict[tuple[str, int], _Running] = {}
+
+    def launch(self, launch: Launch) -> None:
+        key = (launch.rollout_id, launch.attempt)
+        if key in self._runs:
+            return
+        directory = self.workdir / "rollouts" / f"{launch.rollout_id}-a{launch.attempt}"
+        directory.mkdir(parents=True, exist_ok=True)
+        task_json = json.dumps(launch.task)
+        (directory / "task.json").write_text(task_json)
+        env = {**os.environ, **self.env}
+        env.update(
+            HARNESSRL_RUN=launch.run,
+            HARNESSRL_ROLLOUT_ID=launch.rollout_id,
+            HARNESSRL_ATTEMPT=str(launch.attempt),
+            HARNESSRL_TASK_ID=launch.task_id,
+            HARNESSRL_TASK_FILE=str(directory / "task.json"),
+            HARNESSRL_TASK=task_json,
+            HARNESSRL_POLICY_VERSION=str(launch.policy_version),
+        )
+        if self.env_for is not None:
+            env.update(self.env_for(launch))
+        log = (directory / "harness.log").open("ab")
+        try:
+            process = subprocess.Popen(
+                self.command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        except OSError as exc:  # bad command: report it as an exit so the attempt fails with the reason
+            log.write(f"cannot start {self.command[0]!r}: {exc}\n".encode())
+            log.close()
+            self._runs[key] = _Running(_Failed(), log, directory, stop_reason=f"cannot start harness: {exc}")
+            return
+        self._runs[key] = _Running(process, log, directory)
+
+    def alive(self) -> set[tuple[str, int]]:
+        return {key for key, run in self._runs.items() if run.process.poll() is None}
+
+    def exits(self) -> list[HarnessExit]:
+        ended = []
+        for (rollout_id, attempt), run in self._runs.items():
+            code = run.process.poll()
+            if code is None:
+                continue
+            detail = run.stop_reason or _signal_name(code)
+            ended.append(HarnessExit(rollout_id, attempt, None if isinstance(run.process, _Failed) else code, detail))
+        return ended
+
+    def stop(self, rollout_id: str, attempt: int, reason: str) -> None:
+        run = self._runs.get((rollout_id, attempt))
+        if run is None or run.process.poll() is not None:
+            return
+        run.stop_reason = reason
+        _kill_group(run.process, signal.SIGTERM)
+        try:
+            run.process.wait(timeout=self.kill_grace_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(run.process, signal.SIGKILL)
+            run.process.wait()
+
+    def release(self, rollout_id: str, attempt: int) -> None:
+        run = self._runs.pop((rollout_id, attempt), None)
+        if run is not None:
+            run.log.close()
+
+    def log_path(self, rollout_id: str, attempt: int) -> Path:
+        return self.workdir / "rollouts" / f"{rollout_id}-a{attempt}" / "harness.log"
+
+    def shutdown(self) -> None:
+        for (rollout_id, attempt) in list(self._runs):
+            self.stop(rollout_id, attempt, "the runner is stopping")
+            self.release(rollout_id, attempt)
+
+
+class _Failed:
+    """Stands in for a process that could not be started, so it is reported through ``exits``."""
+
+    pid = -1
+
+    def poll(self) -> int:
+        return -1
+
+    def wait(self, timeout: float | None = None) -> int:
+        return -1
+
+
+def _kill_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _signal_name(code: int) -> str | None:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return None

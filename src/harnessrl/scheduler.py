@@ -1,0 +1,304 @@
+"""The rollout scheduler: keeps a TrainingRun's harness runs going, level-based, on any backend.
+
+The local runner (processes) and the operator (pods) both call ``RolloutScheduler.reconcile``; only the
+``RolloutBackend`` differs. Every reconcile compares what the store says (attempt states, rewards) with what
+the backend observes (live harnesses, exits) and acts. The only in-memory state is the launch expectations
+(as in KubeRay's ``expectations/``): an attempt just launched may not be visible to the backend yet (a pod's
+watch event lags), and must not be declared lost in that window. A restarted scheduler loses nothing else.
+
+Async RL bound: rollouts generated under policy version v are only trained on while the learner is at most
+``max_staleness`` versions ahead, so the scheduler keeps at most ``(max_staleness + 1) * tasks_per_step``
+groups outstanding (created but not yet consumed by a learner step). More would only be thrown away.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import func, select
+
+from harnessrl.store import AttemptRecord, RolloutState, TraceStore
+from harnessrl.store.schema import Rollout
+
+log = logging.getLogger(__name__)
+
+ACTIVE = (RolloutState.QUEUED, RolloutState.RUNNING)
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    """The parts of a TrainingRun spec the scheduler needs (built from the spec by its caller)."""
+
+    run: str
+    group_size: int
+    concurrency: int
+    timeout_s: float
+    tasks_per_step: int
+    max_staleness: int
+    max_attempts: int = 1
+    seed: int = 0
+    lost_grace_s: float = 30.0  # how long a launched harness may stay invisible to the backend
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "concurrency", "tasks_per_step", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @property
+    def max_outstanding_groups(self) -> int:
+        return (self.max_staleness + 1) * self.tasks_per_step
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Everything a backend needs to start one harness run (a process or a pod)."""
+
+    run: str
+    rollout_id: str
+    attempt: int
+    task_id: str
+    task: dict[str, Any]
+    policy_version: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class HarnessExit:
+    """A harness run the backend saw end: its exit code, or why it never ran (e.g. ImagePullBackOff)."""
+
+    rollout_id: str
+    attempt: int
+    exit_code: int | None
+    detail: str | None = None
+
+
+class RolloutBackend(Protocol):
+    """Where a harness runs. Implementations: local processes, Kubernetes pods."""
+
+    def launch(self, launch: Launch) -> None:
+        """Start the harness; must be idempotent for the same (rollout_id, attempt)."""
+
+    def alive(self) -> set[tuple[str, int]]:
+        """Attempts whose harness is currently running."""
+
+    def exits(self) -> list[HarnessExit]:
+        """Harness runs that ended and were not yet ``release``d."""
+
+    def stop(self, rollout_id: str, attempt: int, reason: str) -> None:
+        """Kill a running harness (timeout, cancel); its exit is then reported by ``exits``."""
+
+    def release(self, rollout_id: str, attempt: int) -> None:
+        """Forget an ended harness run (delete the pod, reap the process, remove its files)."""
+
+
+@dataclass
+class SchedulerStatus:
+    """What one reconcile saw and did; the runner's progress line and the operator's status read this."""
+
+    counts: dict[RolloutState, int] = field(default_factory=dict)
+    launched: int = 0
+    finished: int = 0
+    timed_out: int = 0
+    retried: int = 0
+    groups_created: int = 0
+    outstanding_groups: int = 0
+
+
+class RolloutScheduler:
+    """Creates task groups, launches queued attempts up to ``concurrency`` and settles the ones that end."""
+
+    def __init__(
+        self,
+        store: TraceStore,
+        settings: SchedulerSettings,
+        backend: RolloutBackend,
+        tasks: Sequence[dict[str, Any]],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tasks:
+            raise ValueError("the run has no tasks: give harness.tasks at least one task")
+        self.store = store
+        self.settings = settings
+        self.backend = backend
+        self.clock = clock
+        self.task_ids = store.add_tasks(settings.run, list(tasks))
+        self._tasks = {tid: dict(task) for tid, task in zip(self.task_ids, tasks, strict=True)}
+        self._launched_at: dict[tuple[str, int], float] = {}  # expectations: launched, maybe not yet visible
+
+    # --- the loop body --------------------------------------------------------------------------------------
+
+    def reconcile(self, policy_version: int) -> SchedulerStatus:
+        """One level-based pass; safe to call at any rate and after any crash."""
+        status = SchedulerStatus()
+        self._settle_exits(status)
+        active = self.store.list_attempts(self.settings.run, states=ACTIVE)
+        self._enforce_deadlines(active, status)
+        self._retry_failures(status)
+        self._create_groups(status)
+        self._launch_queued(policy_version, status)
+        status.counts = self.store.count_attempts(self.settings.run)
+        return status
+
+    def stop_all(self, reason: str = "Cancelled: the run is stopping") -> int:
+        """Stop every live harness and cancel every active attempt (used on shutdown and suspend)."""
+        cancelled = 0
+        for attempt in self.store.list_attempts(self.settings.run, states=ACTIVE):
+            key = (attempt.rollout_id, attempt.attempt)
+            if attempt.state is RolloutState.RUNNING:
+                self.backend.stop(*key, reason)
+            if self.store.try_transition(*key, attempt.state, RolloutState.CANCELLED, reason):
+                cancelled += 1
+        for ended in self.backend.exits():
+            self.backend.release(ended.rollout_id, ended.attempt)
+        self._launched_at.clear()
+        return cancelled
+
+    # --- steps ----------------------------------------------------------------------------------------------
+
+    def _settle_exits(self, status: SchedulerStatus) -> None:
+        for ended in self.backend.exits():
+            key = (ended.rollout_id, ended.attempt)
+            self._launched_at.pop(key, None)
+            attempt = self.store.get_attempt(*key)
+            if attempt.state is RolloutState.RUNNING:
+                state, reason = outcome(attempt, ended)
+                if self.store.try_transition(*key, RolloutState.RUNNING, state, reason):
+                    status.finished += 1
+            self.backend.release(*key)
+
+    def _enforce_deadlines(self, active: list[AttemptRecord], status: SchedulerStatus) -> None:
+        now = self.clock()
+        alive = self.backend.alive()
+        # Read after `alive`: a harness that ends between the two calls shows up here, never as lost.
+        alive |= {(ended.rollout_id, ended.attempt) for ended in self.backend.exits()}
+        for attempt in active:
+            if attempt.state is not RolloutState.RUNNING:
+                continue
+            key = (attempt.rollout_id, attempt.attempt)
+            started = attempt.started_at.timestamp() if attempt.started_at else now
+            if now - started > self.settings.timeout_s:
+                reason = f"Timeout: ran past harness.timeoutSeconds={self.settings.timeout_s:g}"
+                self.backend.stop(*key, reason)
+                if self.store.try_transition(*key, RolloutState.RUNNING, RolloutState.TIMED_OUT, reason):
+                    status.timed_out += 1
+            elif key not in alive and now - self._launched_at.get(key, started) > self.settings.lost_grace_s:
+                # Running in the store, unknown to the backend past the grace period: the process or pod is
+                # gone without an exit we saw (runner restart, node loss, pod deleted by hand).
+                self.store.try_transition(
+                    *key, RolloutState.RUNNING, RolloutState.FAILED, "Lost: the harness is gone without an exit status"
+                )
+                self._launched_at.pop(key, None)
+
+    def _retry_failures(self, status: SchedulerStatus) -> None:
+        if self.settings.max_attempts <= 1:
+            return
+        failed = self.store.list_attempts(
+            self.settings.run, states=(RolloutState.FAILED, RolloutState.TIMED_OUT), unconsumed=True
+        )
+        latest: dict[str, int] = {}
+        for attempt in self.store.list_attempts(self.settings.run):
+            latest[attempt.rollout_id] = max(latest.get(attempt.rollout_id, -1), attempt.attempt)
+        for attempt in failed:
+            is_latest = latest.get(attempt.rollout_id) == attempt.attempt
+            if is_latest and attempt.attempt + 1 < self.settings.max_attempts:
+                self.store.new_attempt(attempt.rollout_id)
+                status.retried += 1
+
+    def _create_groups(self, status: SchedulerStatus) -> None:
+        groups = self._groups_created()
+        outstanding = self._outstanding_groups()
+        queued = len(self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,)))
+        # Keep enough queued to fill every free slot, but never more groups than the staleness bound allows.
+        while queued < self.settings.concurrency and outstanding < self.settings.max_outstanding_groups:
+            task_id = self._task_for_group(groups)
+            for index in range(self.settings.group_size):
+                self.store.create_rollout(self.settings.run, task_id, index, rollout_id=self._rollout_id(groups, index))
+            groups += 1
+            outstanding += 1
+            queued += self.settings.group_size
+            status.groups_created += 1
+        status.outstanding_groups = outstanding
+
+    def _launch_queued(self, policy_version: int, status: SchedulerStatus) -> None:
+        running = len(self.store.list_attempts(self.settings.run, states=(RolloutState.RUNNING,)))
+        free = self.settings.concurrency - running
+        if free <= 0:
+            return
+        for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))[:free]:
+            key = (attempt.rollout_id, attempt.attempt)
+            # Claim first (compare-and-set), launch second: two schedulers never launch the same attempt.
+            if not self.store.try_transition(
+                *key, RolloutState.QUEUED, RolloutState.RUNNING, policy_version=policy_version
+            ):
+                continue
+            assert attempt.task_id is not None  # scheduler-created rollouts always have a task
+            self._launched_at[key] = self.clock()
+            self.backend.launch(
+                Launch(
+                    run=self.settings.run,
+                    rollout_id=attempt.rollout_id,
+                    attempt=attempt.attempt,
+                    task_id=attempt.task_id,
+                    task=self._task(attempt.task_id),
+                    policy_version=policy_version,
+                    timeout_s=self.settings.timeout_s,
+                )
+            )
+            status.launched += 1
+
+    # --- derived bookkeeping ---------------------------------------------------------------------------------
+
+    def _groups_created(self) -> int:
+        with self.store.engine.connect() as conn:
+            rollouts = conn.scalar(
+                select(func.count()).select_from(Rollout).where(Rollout.run == self.settings.run, Rollout.task_id.is_not(None))
+            )
+        return -(-int(rollouts or 0) // self.settings.group_size)
+
+    def _outstanding_groups(self) -> int:
+        """Groups with a rollout no learner step consumed yet.
+
+        Failed members count too: the learner claims a group once every member has ended, whatever the
+        outcome, so a group is only done when consumed — otherwise failures would let groups pile up.
+        """
+        attempts = self.store.list_attempts(self.settings.run, unconsumed=True)
+        return len({group_of(attempt.rollout_id) for attempt in attempts})
+
+    def _task_for_group(self, group: int) -> str:
+        """Epochs over the task list, each in its own seeded order, so a restart picks the same tasks."""
+        epoch, position = divmod(group, len(self.task_ids))
+        order = sorted(set(self.task_ids))
+        random.Random(f"{self.settings.seed}:{epoch}").shuffle(order)
+        return order[position % len(order)]
+
+    def _task(self, task_id: str) -> dict[str, Any]:
+        task = self._tasks.get(task_id)
+        return task if task is not None else self.store.get_task(self.settings.run, task_id)
+
+    def _rollout_id(self, group: int, index: int) -> str:
+        # Deterministic: re-creating a group after a crash mid-creation is a no-op in the store.
+        return f"{self.settings.run}-g{group:06d}-r{index:03d}"
+
+
+def group_of(rollout_id: str) -> str:
+    """The group part of a scheduler-made rollout id (``<run>-g<group>-r<index>``)."""
+    return rollout_id.rsplit("-r", 1)[0]
+
+
+def outcome(attempt: AttemptRecord, ended: HarnessExit) -> tuple[RolloutState, str | None]:
+    """Decide how a harness run that ended counts: only a clean exit with a reward is a success."""
+    if ended.exit_code == 0:
+        if attempt.reward is None:
+            return RolloutState.FAILED, "NoReward: the harness exited 0 without reporting a reward (POST /v1/reward)"
+        return RolloutState.SUCCEEDED, None
+    if ended.exit_code is None:
+        return RolloutState.FAILED, f"HarnessFailed: {ended.detail or 'it never ran'}"
+    detail = f" ({ended.detail})" if ended.detail else ""
+    return RolloutState.FAILED, f"HarnessFailed: exit code {ended.exit_code}{detail}"
