@@ -1,1 +1,29 @@
-"""The trace store: runs, tasks, rollouts and every captured LLM call, on SQLite or PostgreSQL."""
+"""The trace store: runs, tasks, rollouts and every captured LLM call, on SQLite or PostgreSQL.
+
+Import the public names from here; the modules behind them (schema, codec, delta, states, migrate, ...) are
+implementation detail.
+"""
+
+from harnessrl.store.call_rows import InvalidCall
+from harnessrl.store.delta import StoreCorruption
+from harnessrl.store.engine import StoreError
+from harnessrl.store.records import AttemptRecord, CallRecord, CallStatus, RolloutState, StoredCall
+from harnessrl.store.statements import NotFound
+from harnessrl.store.states import IllegalTransition, check_transition, is_legal
+from harnessrl.store.trace_store import TraceStore
+
+__all__ = [
+    "AttemptRecord",
+    "CallRecord",
+    "CallStatus",
+    "IllegalTransition",
+    "InvalidCall",
+    "NotFound",
+    "RolloutState",
+    "StoreCorruption",
+    "StoreError",
+    "StoredCall",
+    "TraceStore",
+    "check_transition",
+    "is_legal",
+]

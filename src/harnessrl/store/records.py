@@ -97,3 +97,24 @@ class StoredCall:
     policy_version: int
     status: CallStatus
     finish_reason: str | None = None
+
+
+@dataclass
+class AttemptRecord:
+    """One rollout attempt as the scheduler and the learner see it (state, reward, bookkeeping)."""
+
+    rollout_id: str
+    attempt: int
+    run: str
+    task_id: str | None
+    group_index: int | None
+    state: RolloutState
+    reason: str | None
+    reward: float | None  # None: no reward was reported (never read as zero)
+    reward_info: dict[str, Any] | None
+    policy_version_start: int | None
+    consumed_by_step: int | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    updated_at: datetime

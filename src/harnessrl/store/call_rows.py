@@ -1,0 +1,248 @@
+"""Turning ``CallRecord``s into ``llm_calls`` rows and back.
+
+Writing: ``prepare_call`` validates a record and packs what does not depend on its predecessor (arrays,
+digests, stripped response); ``PreparedCall.row`` finishes the row once the predecessor's anchor is known.
+Reading: ``CallRebuilder`` rebuilds full records from rows given in chain order, keeping each call's full
+context only as long as a successor may reference it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from harnessrl.store import codec, delta
+from harnessrl.store.records import CallRecord, CallStatus, StoredCall
+
+ID_MAX = 128
+
+
+class InvalidCall(ValueError):
+    """Calls the store refuses; nothing of the batch was written. ``call_ids`` names every refused call."""
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        self.call_ids = list(problems)
+        self.problems = problems
+        first, reason = next(iter(problems.items()))
+        more = f" (and {len(problems) - 1} more calls)" if len(problems) > 1 else ""
+        super().__init__(f"call {first!r}: {reason}{more}; fix or drop these calls and write the batch again")
+
+
+def check_id(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > ID_MAX:
+        raise ValueError(f"{what} must be a non-empty string of at most {ID_MAX} characters, got {value!r}")
+    return value
+
+
+def _check_int(value: Any, what: str, minimum: int | None = None) -> int:
+    if type(value) is not int or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise ValueError(f"{what} must be an integer{bound}, got {value!r}")
+    return value
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        codec.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} is not storable JSON ({exc})") from None
+
+
+@dataclass
+class PreparedCall:
+    """A validated record with everything computed that does not depend on its predecessor."""
+
+    record: CallRecord
+    prompt_bytes: bytes
+    completion_bytes: bytes
+    logprob_bytes: bytes
+    logprobs_f64: bool
+    response: dict[str, Any] | None
+    response_stripped: list[list[Any]] | None
+    anchor: delta.Anchor
+    encoded: delta.Encoded | None = field(default=None)
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.record.rollout_id, self.record.attempt, self.record.seq)
+
+    @property
+    def predecessor_key(self) -> tuple[str, int, int] | None:
+        r = self.record
+        return (r.rollout_id, r.attempt, r.seq - 1) if r.seq > 0 else None
+
+    def encode(self, anchor: delta.Anchor | None) -> dict[str, Any]:
+        """Encode against ``anchor`` (None: in full), check the stored JSON, and return the row."""
+        self.encoded = delta.encode(self.prompt_bytes, self.record.request, anchor)
+        _check_json(self.encoded.request, "request")
+        _check_json(self.response, "response")
+        return self.row()
+
+    def row(self) -> dict[str, Any]:
+        r, e, a = self.record, self.encoded, self.anchor
+        assert e is not None, "encode() first"
+        return {
+            "call_id": r.call_id,
+            "run": r.run,
+            "rollout_id": r.rollout_id,
+            "attempt": r.attempt,
+            "seq": r.seq,
+            "route": r.route,
+            "base_call_id": e.base_call_id,
+            "prompt_offset": e.prompt_offset,
+            "prompt_suffix": e.prompt_suffix_bytes,
+            "completion_ids": self.completion_bytes,
+            "logprobs": self.logprob_bytes,
+            "logprobs_f64": self.logprobs_f64,
+            "request": e.request,
+            "request_reused": e.request_reused,
+            "response": self.response,
+            "response_stripped": self.response_stripped,
+            "context_len": a.context_len,
+            "context_digest": a.context_digest,
+            "input_len": a.input_len,
+            "input_digest": a.input_digest,
+            "io_len": a.io_len,
+            "io_digest": a.io_digest,
+            "policy_version": r.policy_version,
+            "upstream": r.upstream,
+            "latency_s": r.latency_s,
+            "status": CallStatus(r.status).value,
+            "http_status": r.http_status,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": len(r.prompt_token_ids),
+            "completion_tokens": len(r.completion_token_ids),
+            "created_at": r.created_at,
+        }
+
+
+def prepare_call(record: CallRecord) -> PreparedCall:
+    """Validate one record (ValueError naming the field) and pack its predecessor-independent parts."""
+    check_id(record.call_id, "call_id")
+    check_id(record.run, "run")
+    check_id(record.rollout_id, "rollout_id")
+    _check_int(record.attempt, "attempt", 0)
+    _check_int(record.seq, "seq", 0)
+    _check_int(record.policy_version, "policy_version")
+    _check_int(record.http_status, "http_status")
+    if not isinstance(record.route, str) or not 0 < len(record.route) <= 32:
+        raise ValueError(f"route must be a short string such as 'chat', got {record.route!r}")
+    try:
+        CallStatus(record.status)
+    except ValueError:
+        raise ValueError(
+            f"status must be one of {[s.value for s in CallStatus]}, got {record.status!r}"
+        ) from None
+    if not isinstance(record.request, dict):
+        raise ValueError("request must be a JSON object")
+    if record.response is not None and not isinstance(record.response, dict):
+        raise ValueError("response must be a JSON object or None")
+    if not isinstance(record.latency_s, int | float) or not math.isfinite(record.latency_s):
+        raise ValueError(f"latency_s must be a finite number, got {record.latency_s!r}")
+    if record.finish_reason is not None and (
+        not isinstance(record.finish_reason, str) or len(record.finish_reason) > 64
+    ):
+        raise ValueError(
+            f"finish_reason must be None or a string of at most 64 characters, got {record.finish_reason!r}"
+        )
+    if not isinstance(record.upstream, str):
+        raise ValueError(f"upstream must be a string, got {record.upstream!r}")
+    if not isinstance(record.created_at, datetime):
+        raise ValueError(f"created_at must be a datetime, got {record.created_at!r}")
+    prompt_bytes = codec.pack_ids(record.prompt_token_ids, "prompt_token_ids")
+    completion_bytes = codec.pack_ids(record.completion_token_ids, "completion_token_ids")
+    logprob_bytes, f64 = codec.pack_logprobs(record.logprobs)
+    response, stripped = codec.strip_response(
+        record.response, record.prompt_token_ids, record.completion_token_ids, record.logprobs
+    )
+    anchor = delta.make_anchor(
+        record.call_id, prompt_bytes, completion_bytes, record.request, record.response
+    )
+    return PreparedCall(
+        record, prompt_bytes, completion_bytes, logprob_bytes, f64, response, stripped, anchor
+    )
+
+
+def anchor_from_row(row: Any) -> delta.Anchor:
+    return delta.Anchor(
+        row.call_id,
+        row.context_len,
+        row.context_digest,
+        row.input_len,
+        row.input_digest,
+        row.io_len,
+        row.io_digest,
+    )
+
+
+def stored_call_from_row(row: Any) -> StoredCall:
+    """The delta form, straight from the row: no predecessor is touched."""
+    return StoredCall(
+        call_id=row.call_id,
+        rollout_id=row.rollout_id,
+        attempt=row.attempt,
+        seq=row.seq,
+        parent_call_id=row.base_call_id if row.prompt_offset else None,
+        prompt_suffix=codec.unpack_ids(row.prompt_suffix),
+        completion_token_ids=codec.unpack_ids(row.completion_ids),
+        logprobs=codec.unpack_logprobs(row.logprobs, row.logprobs_f64),
+        policy_version=row.policy_version,
+        status=CallStatus(row.status),
+        finish_reason=row.finish_reason,
+    )
+
+
+class CallRebuilder:
+    """Rebuilds full records from rows fed in chain order (every base before the calls that reference it)."""
+
+    def __init__(self) -> None:
+        # call_id -> (full prompt + completion token ids, full request input + output); what successors need
+        self._context: dict[str, tuple[list[int], delta.RequestInput | None]] = {}
+
+    def rebuild(self, row: Any) -> CallRecord:
+        suffix = codec.unpack_ids(row.prompt_suffix)
+        completion = codec.unpack_ids(row.completion_ids)
+        logprobs = codec.unpack_logprobs(row.logprobs, row.logprobs_f64)
+        base_tokens: list[int] = []
+        base_io: delta.RequestInput | None = None
+        if row.base_call_id is not None:
+            if row.base_call_id not in self._context:
+                raise delta.StoreCorruption(
+                    f"call {row.call_id}: its base call {row.base_call_id} is not stored"
+                )
+            base_tokens, base_io = self._context[row.base_call_id]
+            if len(base_tokens) < row.prompt_offset:
+                raise delta.StoreCorruption(
+                    f"call {row.call_id}: base {row.base_call_id} is shorter than its offset"
+                )
+        prompt = base_tokens[: row.prompt_offset] + suffix
+        request = delta.decode_request(row.request, row.request_reused, base_io, row.call_id)
+        response = codec.restore_response(row.response, row.response_stripped, prompt, completion, logprobs)
+        request_in = delta.request_input(request)
+        io = None
+        if request_in is not None:
+            output = delta.request_output(request_in, response)
+            io = request_in if output is None else delta.join_io(request_in, output)
+        self._context[row.call_id] = (prompt + completion, io)
+        return CallRecord(
+            call_id=row.call_id,
+            run=row.run,
+            rollout_id=row.rollout_id,
+            attempt=row.attempt,
+            seq=row.seq,
+            route=row.route,
+            request=request,
+            response=response,
+            prompt_token_ids=prompt,
+            completion_token_ids=completion,
+            logprobs=logprobs,
+            policy_version=row.policy_version,
+            upstream=row.upstream,
+            latency_s=row.latency_s,
+            status=CallStatus(row.status),
+            http_status=row.http_status,
+            finish_reason=row.finish_reason,
+            created_at=row.created_at,
+        )

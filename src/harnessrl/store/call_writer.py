@@ -1,0 +1,129 @@
+"""Writing a batch of calls: validate, skip stored call_ids, encode against predecessors, insert once.
+
+The whole batch is one transaction and one multi-row ``INSERT ... ON CONFLICT (call_id) DO NOTHING``
+(SQLAlchemy's insertmanyvalues pages it), so a replayed or concurrently written call_id is skipped without
+touching the stored row. A predecessor is taken from the same batch or from its stored row's digests, never
+from memory alone, so a delta always references a row that exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sqlalchemy import Connection, select, tuple_, update
+
+from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
+from harnessrl.store.delta import Anchor
+from harnessrl.store.records import CallRecord, RolloutState, utcnow
+from harnessrl.store.schema import LlmCall, Rollout, RolloutAttempt
+from harnessrl.store.statements import DialectInsert, attempt_row, chunks, ensure_runs
+
+ANCHOR_COLUMNS = (
+    LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq,
+    LlmCall.context_len, LlmCall.context_digest, LlmCall.input_len, LlmCall.input_digest,
+    LlmCall.io_len, LlmCall.io_digest,
+)  # fmt: skip
+Key = tuple[str, int, int]  # (rollout_id, attempt, seq)
+
+
+def prepare_batch(calls: Sequence[CallRecord]) -> dict[str, PreparedCall]:
+    """Validate every call (``InvalidCall`` names all bad ones); the first of a repeated call_id wins."""
+    problems: dict[str, str] = {}
+    prepared: dict[str, PreparedCall] = {}
+    for index, record in enumerate(calls):
+        name = record.call_id if isinstance(record.call_id, str) and record.call_id else f"#{index}"
+        if name in prepared:
+            continue
+        try:
+            prepared[name] = prepare_call(record)
+        except ValueError as exc:
+            problems[name] = str(exc)
+    if problems:
+        raise InvalidCall(problems)
+    return prepared
+
+
+def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, PreparedCall]) -> int:
+    """Insert the calls not stored yet, inside the caller's transaction; returns how many were inserted."""
+    existing = _existing_call_ids(conn, list(prepared))
+    new = [p for call_id, p in sorted(prepared.items()) if call_id not in existing]  # sorted: one lock order
+    if not new:
+        return 0
+    in_batch: dict[Key, PreparedCall] = {}
+    for p in new:
+        in_batch.setdefault(p.key, p)
+    wanted = {k for p in new if (k := p.predecessor_key) is not None and k not in in_batch}
+    stored = _stored_anchors(conn, wanted)
+    rows, problems = [], {}
+    for p in new:
+        key = p.predecessor_key
+        anchor = None if key is None else in_batch[key].anchor if key in in_batch else stored.get(key)
+        try:
+            rows.append(p.encode(anchor))
+        except ValueError as exc:
+            problems[p.record.call_id] = str(exc)
+    if problems:
+        raise InvalidCall(problems)
+    _ensure_attempts(conn, insert, new)
+    inserted = set(conn.scalars(insert(LlmCall).on_conflict_do_nothing().returning(LlmCall.call_id), rows))
+    _unlink_from_skipped(conn, new, inserted)
+    return len(inserted)
+
+
+def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:
+    found: set[str] = set()
+    for chunk in chunks(sorted(call_ids)):
+        found.update(conn.scalars(select(LlmCall.call_id).where(LlmCall.call_id.in_(chunk))))
+    return found
+
+
+def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
+    anchors: dict[Key, Anchor] = {}
+    for chunk in chunks(sorted(keys)):
+        query = (
+            select(*ANCHOR_COLUMNS)
+            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk)))
+            .order_by(LlmCall.call_id)
+        )
+        for row in conn.execute(query):
+            anchors.setdefault((row.rollout_id, row.attempt, row.seq), anchor_from_row(row))
+    return anchors
+
+
+def _ensure_attempts(conn: Connection, insert: DialectInsert, calls: list[PreparedCall]) -> None:
+    """Create missing run/rollout/attempt rows so a proxy without a scheduler never fails a write.
+
+    An attempt created here starts as running (its calls prove it runs) under the first call's policy
+    version; an existing attempt is left exactly as it is.
+    """
+    firsts: dict[tuple[str, int], CallRecord] = {}
+    for p in calls:
+        r = p.record
+        if (r.rollout_id, r.attempt) not in firsts or r.seq < firsts[(r.rollout_id, r.attempt)].seq:
+            firsts[(r.rollout_id, r.attempt)] = r
+    ensure_runs(conn, insert, (r.run for r in firsts.values()))
+    now = utcnow()
+    rollouts = {r.rollout_id: r.run for r in firsts.values()}
+    conn.execute(
+        insert(Rollout).on_conflict_do_nothing(),
+        [{"rollout_id": rid, "run": run, "created_at": now} for rid, run in sorted(rollouts.items())],
+    )
+    attempts = []
+    for (rollout_id, attempt), r in sorted(firsts.items()):
+        row = attempt_row(rollout_id, attempt, r.run, RolloutState.RUNNING, now)
+        row.update(started_at=now, policy_version_start=r.policy_version)
+        attempts.append(row)
+    conn.execute(insert(RolloutAttempt).on_conflict_do_nothing(), attempts)
+
+
+def _unlink_from_skipped(conn: Connection, new: list[PreparedCall], inserted: set[str]) -> None:
+    """Store in full any inserted call whose in-batch base lost an insert race to another writer.
+
+    The base row that won may hold different content than the one this call was encoded against.
+    """
+    batch_ids = {p.record.call_id for p in new}
+    for p in new:
+        base = p.encoded.base_call_id if p.encoded else None
+        if p.record.call_id in inserted and base in batch_ids and base not in inserted:
+            row = p.encode(None)
+            conn.execute(update(LlmCall).where(LlmCall.call_id == p.record.call_id).values(**row))

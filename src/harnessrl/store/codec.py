@@ -1,0 +1,205 @@
+"""Byte-level encodings of a call: compact token arrays, JSON text, the response without duplicate arrays.
+
+Token ids are little-endian int32 (4 bytes per token) and log-probs little-endian float32 (4 bytes per
+token). vLLM computes log-probs in float32 and hands them out as Python floats converted from float32, so
+float32 storage is lossless for them; a list holding any value that is not float32-representable is stored
+as float64 instead (flagged per call), so a read is bit-exact whatever the caller passed.
+
+The response JSON from vLLM repeats the token arrays (``prompt_token_ids``, ``choices[0].token_ids``) and the
+log-probs (``choices[0].logprobs.content[i].logprob`` for chat, ``.token_logprobs`` for completions). Those
+are cut out before storage when they are exactly equal to the arrays, and put back on read at the same key
+position; anything that differs in the slightest stays in the JSON, so the round trip is always exact.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def dumps(value: Any) -> str:
+    """JSON text as stored: compact, UTF-8 rather than \\u escapes, and no NaN/Infinity (PostgreSQL refuses
+    them in ``json``). Falls back to ASCII escapes when a string holds a lone surrogate UTF-8 cannot carry."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = json.dumps(value, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
+    return text
+
+
+def loads(text: str | bytes) -> Any:
+    return json.loads(text)
+
+
+def copy_json(value: Any) -> Any:
+    """A deep copy of a JSON value (dicts, lists, immutable scalars); much cheaper than ``copy.deepcopy``."""
+    if isinstance(value, dict):
+        return {k: copy_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [copy_json(v) for v in value]
+    return value
+
+
+def pack_ids(ids: list[int], what: str = "token ids") -> bytes:
+    """int32 little-endian bytes; ValueError naming ``what`` for non-integers or values out of range."""
+    if len(ids) == 0:
+        return b""
+    arr = np.asarray(ids)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise ValueError(f"{what} must be a flat list of integers")
+    low, high = int(arr.min()), int(arr.max())
+    if low < INT32_MIN or high > INT32_MAX:
+        bad = low if low < INT32_MIN else high
+        raise ValueError(f"{what} hold {bad}, which does not fit a 32-bit token id")
+    return arr.astype("<i4").tobytes()
+
+
+def unpack_ids(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, dtype="<i4").tolist()
+
+
+def pack_logprobs(values: list[float], what: str = "logprobs") -> tuple[bytes, bool]:
+    """float32 bytes when lossless, else float64; returns (bytes, is_float64)."""
+    if len(values) == 0:
+        return b"", False
+    try:
+        f64 = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} must be a flat list of numbers ({exc})") from None
+    if f64.ndim != 1:
+        raise ValueError(f"{what} must be a flat list of numbers")
+    f32 = f64.astype("<f4")
+    if f32.astype(np.float64).tobytes() == f64.tobytes():
+        return f32.tobytes(), False
+    return f64.astype("<f8").tobytes(), True
+
+
+def unpack_logprobs(blob: bytes, is_float64: bool) -> list[float]:
+    return np.frombuffer(blob, dtype="<f8" if is_float64 else "<f4").tolist()
+
+
+# --- response stripping ------------------------------------------------------------------------------------
+
+CHAT_LOGPROB_KEYS = ["token", "logprob", "bytes", "top_logprobs"]  # vLLM / OpenAI field order
+
+
+def _same_ints(value: Any, expected: list[int]) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == len(expected)
+        and all(type(v) is int for v in value)
+        and value == expected
+    )
+
+
+def _same_floats(value: Any, expected: list[float]) -> bool:
+    """Equal down to the bit pattern (so -0.0 never stands in for 0.0)."""
+    if not isinstance(value, list) or len(value) != len(expected) or not all(type(v) is float for v in value):
+        return False
+    return np.asarray(value, dtype=np.float64).tobytes() == np.asarray(expected, dtype=np.float64).tobytes()
+
+
+def token_bytes(token: str) -> list[int]:
+    """The ``bytes`` field vLLM puts beside each chat log-prob token."""
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def _chat_logprob_tokens(content: Any, logprobs: list[float]) -> list[str] | None:
+    """Token strings, if every entry is exactly {token, logprob (ours), bytes (utf-8), top_logprobs: []}."""
+    if not isinstance(content, list) or len(content) != len(logprobs) or not content:
+        return None
+    tokens: list[str] = []
+    for entry in content:
+        if not isinstance(entry, dict) or list(entry) != CHAT_LOGPROB_KEYS:
+            return None
+        token = entry["token"]
+        if type(token) is not str or entry["top_logprobs"] != [] or entry["bytes"] != token_bytes(token):
+            return None
+        tokens.append(token)
+    if not _same_floats([entry["logprob"] for entry in content], logprobs):
+        return None
+    return tokens
+
+
+def _pop_at(container: dict[str, Any], key: str) -> int:
+    index = list(container).index(key)
+    del container[key]
+    return index
+
+
+def _insert_at(container: dict[str, Any], key: str, value: Any, index: int) -> None:
+    items = list(container.items())
+    items.insert(index, (key, value))
+    container.clear()
+    container.update(items)
+
+
+def strip_response(
+    response: dict[str, Any] | None,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    logprobs: list[float],
+) -> tuple[dict[str, Any] | None, list[list[Any]] | None]:
+    """Return (response without the duplicated arrays, what was stripped). Never mutates ``response``."""
+    if not isinstance(response, dict):
+        return response, None
+    out = dict(response)
+    stripped: list[list[Any]] = []
+    if _same_ints(out.get("prompt_token_ids"), prompt_ids):
+        stripped.append(["prompt_token_ids", _pop_at(out, "prompt_token_ids")])
+    choices = out.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        choice = dict(choices[0])
+        if _same_ints(choice.get("prompt_token_ids"), prompt_ids):
+            stripped.append(["choice.prompt_token_ids", _pop_at(choice, "prompt_token_ids")])
+        if _same_ints(choice.get("token_ids"), completion_ids):
+            stripped.append(["choice.token_ids", _pop_at(choice, "token_ids")])
+        if isinstance(choice.get("logprobs"), dict):
+            lp = dict(choice["logprobs"])
+            tokens = _chat_logprob_tokens(lp.get("content"), logprobs)
+            if tokens is not None:
+                lp["content"] = tokens
+                stripped.append(["choice.logprobs.content", 0])
+            if _same_floats(lp.get("token_logprobs"), logprobs):
+                stripped.append(["choice.logprobs.token_logprobs", _pop_at(lp, "token_logprobs")])
+            choice["logprobs"] = lp
+        out["choices"] = [choice, *choices[1:]]
+    if not stripped:
+        return response, None
+    return out, stripped
+
+
+def restore_response(
+    stored: dict[str, Any] | None,
+    stripped: list[list[Any]] | None,
+    prompt_ids: list[int],
+    completion_ids: list[int],
+    logprobs: list[float],
+) -> dict[str, Any] | None:
+    """Inverse of ``strip_response``; mutates ``stored`` (a freshly decoded value) and returns it."""
+    if stored is None or not stripped:
+        return stored
+    for name, index in reversed(stripped):  # undo pops last-first so every index is valid again
+        if name == "prompt_token_ids":
+            _insert_at(stored, name, list(prompt_ids), index)
+            continue
+        choice = stored["choices"][0]
+        if name == "choice.prompt_token_ids":
+            _insert_at(choice, "prompt_token_ids", list(prompt_ids), index)
+        elif name == "choice.token_ids":
+            _insert_at(choice, "token_ids", list(completion_ids), index)
+        elif name == "choice.logprobs.content":
+            choice["logprobs"]["content"] = [
+                {"token": token, "logprob": lp, "bytes": token_bytes(token), "top_logprobs": []}
+                for token, lp in zip(choice["logprobs"]["content"], logprobs, strict=True)
+            ]
+        elif name == "choice.logprobs.token_logprobs":
+            _insert_at(choice["logprobs"], "token_logprobs", list(logprobs), index)
+        else:
+            raise ValueError(f"unknown stripped response field {name!r} (written by a newer harnessrl?)")
+    return stored

@@ -1,0 +1,93 @@
+"""Opening a store database: URL checks, engine options and the SQLite settings several processes need.
+
+SQLite is shared by the local runner's processes (scheduler, proxies, learner), so it runs in WAL mode with a
+busy timeout, and write transactions start with ``BEGIN IMMEDIATE``: a deferred transaction that reads and
+then writes fails at once with "database is locked" when another process committed in between, whatever the
+timeout. Reads stay plain ``BEGIN`` so they never queue behind writers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+from harnessrl.store import codec
+
+SQLITE_BUSY_TIMEOUT_MS = 60_000
+WRITE_OPTION = "harnessrl_write"  # execution option that marks a connection's transactions as writes
+URL_HELP = "use sqlite:///PATH/TO/FILE.db or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
+
+
+class StoreError(RuntimeError):
+    """The store cannot be opened or used as asked; the message is one line that says what to fix."""
+
+
+def parse_url(url: str | URL) -> URL:
+    """Parse and normalise a store URL; PostgreSQL always goes through psycopg 3 (the driver we ship)."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise StoreError(f"store URL {str(url)!r} is not a database URL; {URL_HELP}") from None
+    backend = parsed.get_backend_name()
+    if backend in ("postgresql", "postgres"):
+        return parsed.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        if parsed.get_driver_name() not in ("pysqlite", ""):
+            return parsed.set(drivername="sqlite")
+        return parsed
+    raise StoreError(
+        f"store URL {safe_url(parsed)!r} uses {backend!r}, which the store does not support; {URL_HELP}"
+    )
+
+
+def safe_url(url: str | URL) -> str:
+    """The URL with its password hidden, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return str(url)
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None  # SQLAlchemy's begin hook below emits BEGIN itself
+    cursor = dbapi_connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.execute("PRAGMA journal_mode = WAL")
+    cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe against corruption in WAL
+    cursor.execute("PRAGMA foreign_keys = ON")
+    cursor.close()
+
+
+def _sqlite_on_begin(connection: Any) -> None:
+    immediate = connection.get_execution_options().get(WRITE_OPTION, False)
+    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def open_engine(url: str | URL) -> Engine:
+    """An engine for ``url``, checked by connecting once so a wrong URL fails here with one clear line."""
+    parsed = parse_url(url)
+    options: dict[str, Any] = {"json_serializer": codec.dumps, "json_deserializer": codec.loads}
+    if parsed.get_backend_name() == "postgresql":
+        options["pool_pre_ping"] = True  # survive a database restart or an idle-connection reaper
+    try:
+        engine = create_engine(parsed, **options)
+    except (SQLAlchemyError, ImportError) as exc:
+        raise StoreError(f"cannot open store {safe_url(parsed)}: {first_line(exc)}") from None
+    if parsed.get_backend_name() == "sqlite":
+        event.listen(engine, "connect", _sqlite_on_connect)
+        event.listen(engine, "begin", _sqlite_on_begin)
+    try:
+        with engine.connect():
+            pass
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        raise StoreError(f"cannot connect to store {safe_url(parsed)}: {first_line(exc)}") from None
+    return engine
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", None) or exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

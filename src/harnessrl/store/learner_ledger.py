@@ -1,0 +1,228 @@
+"""The learner's bookkeeping in the trace store: which rollouts a step takes, and the step's commit.
+
+A step's effects are (a) a new policy version with its checkpoint path, (b) the step record with its
+metrics, (c) the rollout attempts it trained on marked consumed. :meth:`LearnerLedger.commit` writes all three
+in **one** transaction and refuses, writing nothing, when the version or step already exists or any attempt
+is already consumed. That is what makes a learner killed at any point safe to restart: before the commit
+nothing counts (the checkpoint on disk is a leftover and the attempts are still unconsumed, so the step is
+redone); after it everything counts and is never redone. Step ``n`` always produces version ``n``; version 0 is
+the base model.
+
+Claiming does not lock: exactly one learner runs per TrainingRun, and a second one that raced would have
+its commit refused instead of double-training.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine, func, insert, select, tuple_, update
+from sqlalchemy.exc import IntegrityError
+
+from harnessrl.store.engine import WRITE_OPTION
+from harnessrl.store.records import RolloutState, utcnow
+from harnessrl.store.schema import LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
+from harnessrl.store.trace_store import TraceStore
+
+TERMINAL_STATES = tuple(s.value for s in RolloutState if s.terminal)
+CHUNK = 500
+
+
+class CommitRefused(RuntimeError):
+    """The step cannot be committed (already committed, or an attempt was consumed by another step)."""
+
+
+@dataclass(frozen=True)
+class ClaimedAttempt:
+    """The latest attempt of one rollout of a claimed task group."""
+
+    rollout_id: str
+    attempt: int
+    task_id: str
+    group_index: int | None
+    state: RolloutState
+    reward: float | None
+    policy_version_start: int | None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.attempt)
+
+
+@dataclass(frozen=True)
+class StepClaim:
+    """The task groups one step trains on, oldest completed group first."""
+
+    tasks: tuple[str, ...]
+    attempts: tuple[ClaimedAttempt, ...]
+
+    @property
+    def keys(self) -> list[tuple[str, int]]:
+        return [a.key for a in self.attempts]
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    version: int
+    checkpoint_path: str
+    synced: bool
+
+
+class LearnerLedger:
+    """Learner-side operations of one run over a :class:`TraceStore`'s database."""
+
+    def __init__(self, store: TraceStore, run: str) -> None:
+        self.store = store
+        self.run = run
+        self._engine: Engine = store.engine
+        self._writer = store.engine.execution_options(**{WRITE_OPTION: True})
+
+    # -- versions ----------------------------------------------------------------------------------------------
+
+    def ensure_base_version(self, checkpoint_path: str) -> None:
+        """Record version 0 (the model the replicas start from, hence already synced) if it is missing."""
+        with self._writer.begin() as conn:
+            if conn.scalar(select(Run.name).where(Run.name == self.run)) is None:
+                conn.execute(insert(Run).values(name=self.run, created_at=utcnow()))
+            exists = conn.scalar(
+                select(PolicyVersion.version).where(PolicyVersion.run == self.run, PolicyVersion.version == 0)
+            )
+            if exists is None:
+                now = utcnow()
+                conn.execute(insert(PolicyVersion).values(
+                    run=self.run, version=0, checkpoint_path=checkpoint_path, created_at=now, synced=True,
+                    synced_at=now,
+                ))
+
+    def committed_version(self) -> int:
+        """The newest policy version the store counts (0 when no step was committed)."""
+        with self._engine.connect() as conn:
+            value = conn.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.run == self.run))
+        return int(value or 0)
+
+    def version(self, version: int) -> VersionInfo | None:
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                select(PolicyVersion.version, PolicyVersion.checkpoint_path, PolicyVersion.synced)
+                .where(PolicyVersion.run == self.run, PolicyVersion.version == version)
+            ).first()
+        return VersionInfo(row.version, row.checkpoint_path, bool(row.synced)) if row else None
+
+    def versions(self) -> list[VersionInfo]:
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(PolicyVersion.version, PolicyVersion.checkpoint_path, PolicyVersion.synced)
+                .where(PolicyVersion.run == self.run).order_by(PolicyVersion.version)
+            ).all()
+        return [VersionInfo(r.version, r.checkpoint_path, bool(r.synced)) for r in rows]
+
+    def mark_synced(self, version: int) -> None:
+        self.store.mark_policy_synced(self.run, version)
+
+    def step_metrics(self, step: int) -> dict[str, Any] | None:
+        with self._engine.connect() as conn:
+            return conn.scalar(select(LearnerStep.metrics).where(LearnerStep.run == self.run, LearnerStep.step == step))
+
+    # -- claiming ----------------------------------------------------------------------------------------------
+
+    def claim(self, tasks_per_step: int, group_size: int) -> StepClaim | None:
+        """The oldest ``tasks_per_step`` complete task groups, or None while fewer are complete.
+
+        A task's group is its rollouts whose latest attempt no step consumed yet; it is complete when it has
+        at least ``group_size`` of them and every one is in a terminal state (succeeded, failed, timed out,
+        cancelled: the advantage code decides which train). Groups are ordered by when their last member
+        finished. Rollouts without a task (made by a standalone proxy) have no group and are never claimed.
+        """
+        if tasks_per_step < 1 or group_size < 1:
+            raise ValueError(f"tasks_per_step ({tasks_per_step}) and group_size ({group_size}) must be >= 1")
+        query = (
+            select(
+                RolloutAttempt.rollout_id, RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.reward,
+                RolloutAttempt.policy_version_start, RolloutAttempt.consumed_by_step, RolloutAttempt.finished_at,
+                RolloutAttempt.updated_at, Rollout.task_id, Rollout.group_index,
+            )
+            .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
+            .where(RolloutAttempt.run == self.run, Rollout.task_id.is_not(None))
+        )
+        with self._engine.connect() as conn:
+            rows = conn.execute(query).all()
+        latest: dict[str, Any] = {}
+        for row in rows:
+            held = latest.get(row.rollout_id)
+            if held is None or row.attempt > held.attempt:
+                latest[row.rollout_id] = row
+        groups: dict[str, list[Any]] = defaultdict(list)
+        for row in latest.values():
+            if row.consumed_by_step is None:
+                groups[row.task_id].append(row)
+        complete: list[tuple[Any, str, list[Any]]] = []
+        for task_id, members in groups.items():
+            if len(members) >= group_size and all(m.state in TERMINAL_STATES for m in members):
+                done_at = max((m.finished_at or m.updated_at) for m in members)
+                complete.append((done_at, task_id, members))
+        if len(complete) < tasks_per_step:
+            return None
+        complete.sort(key=lambda item: (item[0], item[1]))
+        chosen = complete[:tasks_per_step]
+        attempts = tuple(
+            ClaimedAttempt(m.rollout_id, m.attempt, task_id, m.group_index, RolloutState(m.state), m.reward,
+                           m.policy_version_start)
+            for _, task_id, members in chosen
+            for m in sorted(members, key=lambda m: (m.group_index if m.group_index is not None else -1, m.rollout_id))
+        )
+        return StepClaim(tuple(task_id for _, task_id, _ in chosen), attempts)
+
+    # -- committing --------------------------------------------------------------------------------------------
+
+    def commit(self, step: int, checkpoint_path: str, metrics: dict[str, Any] | None,
+               consumed: list[tuple[str, int]]) -> None:
+        """Insert policy version ``step`` + the step record and mark ``consumed``, in one transaction.
+
+        Raises :class:`CommitRefused` (and writes nothing) when version/step ``step`` exists already, or an
+        attempt does not exist in this run or was consumed by another step.
+        """
+        if step < 1:
+            raise ValueError(f"step: {step} must be >= 1 (version 0 is the base model)")
+        pairs = sorted(set(consumed))
+        now = utcnow()
+        try:
+            with self._writer.begin() as conn:
+                conn.execute(insert(PolicyVersion).values(
+                    run=self.run, version=step, checkpoint_path=checkpoint_path, created_at=now, synced=False,
+                ))
+                conn.execute(insert(LearnerStep).values(
+                    run=self.run, step=step, policy_version=step, metrics=metrics, created_at=now,
+                ))
+                marked = 0
+                for start in range(0, len(pairs), CHUNK):
+                    chunk = pairs[start:start + CHUNK]
+                    marked += conn.execute(
+                        update(RolloutAttempt)
+                        .where(
+                            tuple_(RolloutAttempt.rollout_id, RolloutAttempt.attempt).in_(chunk),
+                            RolloutAttempt.run == self.run,
+                            RolloutAttempt.consumed_by_step.is_(None),
+                        )
+                        .values(consumed_by_step=step, updated_at=now)
+                    ).rowcount
+                if marked != len(pairs):  # raising inside the block rolls the whole commit back
+                    raise CommitRefused(
+                        f"step {step} of run {self.run!r}: {len(pairs) - marked} of {len(pairs)} attempts do not "
+                        "exist in this run or were consumed by another step; nothing was recorded"
+                    )
+        except IntegrityError:
+            raise CommitRefused(
+                f"step {step} of run {self.run!r}: policy version {step} or step {step} is already committed "
+                "(is another learner running for this run?); nothing was recorded"
+            ) from None
+
+    def consumed_by(self, step: int) -> list[tuple[str, int]]:
+        with self._engine.connect() as conn:
+            rows = conn.execute(
+                select(RolloutAttempt.rollout_id, RolloutAttempt.attempt)
+                .where(RolloutAttempt.run == self.run, RolloutAttempt.consumed_by_step == step)
+                .order_by(RolloutAttempt.rollout_id, RolloutAttempt.attempt)
+            ).all()
+        return [(r.rollout_id, r.attempt) for r in rows]

@@ -1,0 +1,439 @@
+"""``TraceStore``: the one API the proxy, the scheduler and the learner use to read and write traces.
+
+Every write is one short transaction. Anything several processes may do at once (state moves, duplicate
+calls, creating the same rollout) is made safe by the database itself: conditional UPDATEs checked by
+rowcount, ``INSERT ... ON CONFLICT DO NOTHING``, primary keys. No method holds state between calls, so any
+number of stores may point at the same database.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Row, func, select, update
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import IntegrityError
+
+from harnessrl.store import codec, migrate
+from harnessrl.store.call_rows import CallRebuilder, check_id, stored_call_from_row
+from harnessrl.store.call_writer import prepare_batch, write_calls
+from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
+from harnessrl.store.records import AttemptRecord, CallRecord, RolloutState, StoredCall, utcnow
+from harnessrl.store.schema import LlmCall, PolicyVersion, Rollout, RolloutAttempt, Run, Task
+from harnessrl.store.statements import NotFound, attempt_row, chunks, dialect_insert, ensure_runs
+from harnessrl.store.states import IllegalTransition, check_transition
+
+DELTA_COLUMNS = (
+    LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq, LlmCall.base_call_id,
+    LlmCall.prompt_offset, LlmCall.prompt_suffix, LlmCall.completion_ids, LlmCall.logprobs,
+    LlmCall.logprobs_f64, LlmCall.policy_version, LlmCall.status, LlmCall.finish_reason,
+)  # fmt: skip
+
+
+class TraceStore:
+    """Runs, tasks, rollouts, attempts, LLM calls, policy versions and learner steps on one database."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        # Writes start with BEGIN IMMEDIATE on SQLite (see engine.py); PostgreSQL ignores the option.
+        self._writer = engine.execution_options(**{WRITE_OPTION: True})
+        self._insert = dialect_insert(engine.dialect.name)
+
+    @classmethod
+    def connect(cls, url: str | URL) -> TraceStore:
+        """Open the store at ``url`` (raises ``StoreError`` with one line naming the URL and the fix)."""
+        return cls(open_engine(url))
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    @property
+    def url(self) -> str:
+        return safe_url(self._engine.url)
+
+    def upgrade(self) -> str | None:
+        """Apply the migrations up to head (idempotent, safe when many processes start at once)."""
+        return migrate.upgrade(self._engine)
+
+    def close(self) -> None:
+        self._engine.dispose()
+
+    def __enter__(self) -> TraceStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- runs and tasks ------------------------------------------------------------------------------------
+
+    def ensure_run(self, run: str, spec: dict[str, Any] | None = None) -> None:
+        """Create the run if missing; a given ``spec`` replaces the stored one."""
+        check_id(run, "run")
+        with self._writer.begin() as conn:
+            if spec is None:
+                ensure_runs(conn, self._insert, [run])
+                return
+            _require_json(spec, "spec")
+            stmt = self._insert(Run).values(name=run, spec=spec, created_at=utcnow())
+            conn.execute(stmt.on_conflict_do_update(index_elements=[Run.name], set_={"spec": spec}))
+
+    def add_tasks(self, run: str, tasks: Sequence[dict[str, Any]]) -> list[str]:
+        """Store tasks (idempotent) and return their ids in order.
+
+        A task's id is its ``"id"`` field when it has one, else a digest of its JSON, so loading the same
+        task set twice (a restarted scheduler) adds nothing and returns the same ids.
+        """
+        check_id(run, "run")
+        ids: list[str] = []
+        rows: dict[str, dict[str, Any]] = {}
+        for index, task in enumerate(tasks):
+            if not isinstance(task, dict):
+                raise ValueError(f"tasks[{index}] must be a JSON object, got {type(task).__name__}")
+            text = _require_json(task, f"tasks[{index}]")
+            task_id = str(task["id"]) if "id" in task else hashlib.sha256(text.encode()).hexdigest()[:32]
+            check_id(task_id, f"tasks[{index}].id")
+            ids.append(task_id)
+            rows.setdefault(
+                task_id, {"run": run, "task_id": task_id, "payload": task, "created_at": utcnow()}
+            )
+        with self._writer.begin() as conn:
+            ensure_runs(conn, self._insert, [run])
+            ordered = [rows[k] for k in sorted(rows)]
+            for chunk in chunks(ordered):
+                conn.execute(self._insert(Task).on_conflict_do_nothing(), list(chunk))
+        return ids
+
+    def get_task(self, run: str, task_id: str) -> dict[str, Any]:
+        with self._engine.connect() as conn:
+            payload = conn.scalar(select(Task.payload).where(Task.run == run, Task.task_id == task_id))
+        if payload is None:
+            raise NotFound(f"task {task_id!r} of run {run!r} does not exist; add it with add_tasks")
+        return payload
+
+    # --- rollouts and attempts -----------------------------------------------------------------------------
+
+    def create_rollout(self, run: str, task_id: str, group_index: int, rollout_id: str | None = None) -> str:
+        """Create a rollout with attempt 0 queued; creating the same ``rollout_id`` again is a no-op."""
+        rollout_id = check_id(rollout_id or uuid.uuid4().hex, "rollout_id")
+        with self._writer.begin() as conn:
+            if conn.scalar(select(Task.task_id).where(Task.run == run, Task.task_id == task_id)) is None:
+                raise NotFound(f"task {task_id!r} of run {run!r} does not exist; add it with add_tasks first")
+            now = utcnow()
+            conn.execute(
+                self._insert(Rollout).on_conflict_do_nothing(),
+                [
+                    {
+                        "rollout_id": rollout_id,
+                        "run": run,
+                        "task_id": task_id,
+                        "group_index": group_index,
+                        "created_at": now,
+                    }
+                ],
+            )
+            stored = conn.execute(
+                select(Rollout.run, Rollout.task_id, Rollout.group_index).where(
+                    Rollout.rollout_id == rollout_id
+                )
+            ).one()
+            if tuple(stored) != (run, task_id, group_index):
+                raise ValueError(
+                    f"rollout {rollout_id!r} already exists for run {stored.run!r}, task {stored.task_id!r}, "
+                    f"group index {stored.group_index}; pick another rollout_id"
+                )
+            conn.execute(
+                self._insert(RolloutAttempt).on_conflict_do_nothing(),
+                [attempt_row(rollout_id, 0, run, RolloutState.QUEUED, now)],
+            )
+        return rollout_id
+
+    def _state(self, conn: Connection, rollout_id: str, attempt: int) -> RolloutState:
+        state = conn.scalar(
+            select(RolloutAttempt.state).where(
+                RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt
+            )
+        )
+        if state is None:
+            raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist")
+        return RolloutState(state)
+
+    def try_transition(
+        self,
+        rollout_id: str,
+        attempt: int,
+        expected: RolloutState,
+        to: RolloutState,
+        reason: str | None = None,
+        policy_version: int | None = None,
+    ) -> bool:
+        """Move ``expected -> to`` only if the attempt is still in ``expected`` (compare-and-set).
+
+        Returns False when another writer moved it first (the scheduler uses this to claim a queued rollout);
+        raises ``IllegalTransition`` if the move itself is illegal and ``NotFound`` if there is no such
+        attempt. ``policy_version`` is recorded as the version the attempt started under (moves to running).
+        """
+        expected, to = RolloutState(expected), RolloutState(to)
+        check_transition(expected, to, f"rollout {rollout_id} attempt {attempt}")
+        now = utcnow()
+        values: dict[str, Any] = {"state": to.value, "updated_at": now}
+        if reason is not None:
+            values["reason"] = reason
+        if to is RolloutState.RUNNING:
+            values["started_at"] = now
+            if policy_version is not None:
+                values["policy_version_start"] = policy_version
+        if to.terminal:
+            values["finished_at"] = now
+        with self._writer.begin() as conn:
+            result = conn.execute(
+                update(RolloutAttempt)
+                .where(
+                    RolloutAttempt.rollout_id == rollout_id,
+                    RolloutAttempt.attempt == attempt,
+                    RolloutAttempt.state == expected.value,
+                )
+                .values(**values)
+            )
+            if result.rowcount == 1:
+                return True
+            self._state(conn, rollout_id, attempt)  # raises NotFound when it does not exist at all
+            return False
+
+    def transition(
+        self,
+        rollout_id: str,
+        attempt: int,
+        to: RolloutState,
+        reason: str | None = None,
+        policy_version: int | None = None,
+    ) -> None:
+        """Move the attempt to ``to`` from whatever state it is in, if that move is legal.
+
+        Race-safe: the UPDATE only applies while the state is still the one checked; if another writer moved
+        it in between, the move is re-checked against the new state (and usually then refused).
+        """
+        to = RolloutState(to)
+        while True:  # terminates: every successful competing move goes forward in a finite DAG
+            with self._engine.connect() as conn:
+                current = self._state(conn, rollout_id, attempt)
+            check_transition(current, to, f"rollout {rollout_id} attempt {attempt}")
+            if self.try_transition(rollout_id, attempt, current, to, reason, policy_version):
+                return
+
+    def finish_attempt(
+        self, rollout_id: str, attempt: int, state: RolloutState, reason: str | None = None
+    ) -> None:
+        """Move the attempt to a terminal ``state`` (checked like ``transition``)."""
+        state = RolloutState(state)
+        if not state.terminal:
+            raise ValueError(
+                "finish_attempt needs a terminal state (succeeded, failed, timed_out, cancelled), "
+                f"got {state.value}"
+            )
+        self.transition(rollout_id, attempt, state, reason)
+
+    def new_attempt(self, rollout_id: str) -> int:
+        """Queue the next attempt of a rollout whose latest attempt failed, timed out or was cancelled."""
+        for _ in range(2):  # a second pass only after losing a race with another caller
+            with self._writer.begin() as conn:
+                latest = conn.execute(
+                    select(RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.run)
+                    .where(RolloutAttempt.rollout_id == rollout_id)
+                    .order_by(RolloutAttempt.attempt.desc())
+                    .limit(1)
+                ).first()
+                if latest is None:
+                    raise NotFound(f"rollout {rollout_id!r} does not exist")
+                state = RolloutState(latest.state)
+                if not state.terminal or state is RolloutState.SUCCEEDED:
+                    raise IllegalTransition(
+                        state,
+                        RolloutState.QUEUED,
+                        f"rollout {rollout_id}: a new attempt after attempt {latest.attempt}, "
+                        f"which is {state.value}",
+                    )
+                number = latest.attempt + 1
+                try:
+                    with conn.begin_nested():
+                        conn.execute(
+                            self._insert(RolloutAttempt),
+                            [attempt_row(rollout_id, number, latest.run, RolloutState.QUEUED, utcnow())],
+                        )
+                except IntegrityError:
+                    continue
+                return number
+        raise StoreError(f"rollout {rollout_id}: could not add an attempt (another writer keeps adding them)")
+
+    def set_reward(
+        self, rollout_id: str, attempt: int, value: float, info: dict[str, Any] | None = None
+    ) -> None:
+        """Record the attempt's reward; a later call replaces it (last reward wins)."""
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(f"reward must be a finite number, got {value!r}")
+        if info is not None:
+            _require_json(info, "reward info")
+        now = utcnow()
+        with self._writer.begin() as conn:
+            result = conn.execute(
+                update(RolloutAttempt)
+                .where(RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt)
+                .values(reward=float(value), reward_info=info, reward_at=now, updated_at=now)
+            )
+            if result.rowcount != 1:
+                raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist; reward not stored")
+
+    def get_attempt(self, rollout_id: str, attempt: int) -> AttemptRecord:
+        with self._engine.connect() as conn:
+            row = conn.execute(
+                _attempt_query().where(
+                    RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt
+                )
+            ).first()
+        if row is None:
+            raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist")
+        return _attempt_record(row)
+
+    def list_attempts(
+        self, run: str, states: Iterable[RolloutState] | None = None, unconsumed: bool = False
+    ) -> list[AttemptRecord]:
+        """Attempts of a run, optionally only in ``states`` and only those no learner step consumed yet."""
+        query = _attempt_query().where(RolloutAttempt.run == run)
+        if states is not None:
+            query = query.where(RolloutAttempt.state.in_([RolloutState(s).value for s in states]))
+        if unconsumed:
+            query = query.where(RolloutAttempt.consumed_by_step.is_(None))
+        query = query.order_by(RolloutAttempt.created_at, RolloutAttempt.rollout_id, RolloutAttempt.attempt)
+        with self._engine.connect() as conn:
+            return [_attempt_record(row) for row in conn.execute(query)]
+
+    def count_attempts(self, run: str) -> dict[RolloutState, int]:
+        """Attempts per state (every state present, zero included), for status and metrics."""
+        query = (
+            select(RolloutAttempt.state, func.count())
+            .where(RolloutAttempt.run == run)
+            .group_by(RolloutAttempt.state)
+        )
+        counts = dict.fromkeys(RolloutState, 0)
+        with self._engine.connect() as conn:
+            for state, count in conn.execute(query):
+                counts[RolloutState(state)] = count
+        return counts
+
+    # --- policy versions (the learner's commits live in learner_ledger.py) ----------------------------------
+
+    def mark_policy_synced(self, run: str, version: int) -> None:
+        """Mark a version as served by every rollout replica."""
+        with self._writer.begin() as conn:
+            result = conn.execute(
+                update(PolicyVersion)
+                .where(PolicyVersion.run == run, PolicyVersion.version == version)
+                .values(synced=True, synced_at=utcnow())
+            )
+            if result.rowcount != 1:
+                raise NotFound(f"policy version {version} of run {run!r} does not exist")
+
+    def latest_policy_version(self, run: str, synced_only: bool = True) -> int | None:
+        query = select(func.max(PolicyVersion.version)).where(PolicyVersion.run == run)
+        if synced_only:
+            query = query.where(PolicyVersion.synced.is_(True))
+        with self._engine.connect() as conn:
+            return conn.scalar(query)
+
+    # --- LLM calls -----------------------------------------------------------------------------------------
+
+    def add_calls(self, calls: Sequence[CallRecord], previous: Mapping[str, CallRecord] | None = None) -> int:
+        """Store calls, skipping call_ids already stored; returns how many were newly inserted.
+
+        Each call is delta-encoded against its predecessor (same rollout attempt, seq - 1) when that is in
+        this batch or already stored; a predecessor not yet stored means the call is stored in full, so a
+        delta never references a row that does not exist. ``previous`` is accepted for callers that hold the
+        predecessors in memory, but the store does not need it: stored rows carry the digests a successor
+        is checked against. Invalid calls raise ``InvalidCall`` naming them; then nothing of the batch is
+        written. Missing run, rollout and attempt rows are created (attempt state running).
+        """
+        del previous  # see the docstring: the stored digests are authoritative
+        prepared = prepare_batch(calls)
+        if not prepared:
+            return 0
+        with self._writer.begin() as conn:
+            return write_calls(conn, self._insert, prepared)
+
+    def get_call(self, call_id: str) -> CallRecord:
+        """One call, full and bit-exact (rebuilt along its chain of bases)."""
+        with self._engine.connect() as conn:
+            target = conn.execute(select(LlmCall.__table__).where(LlmCall.call_id == call_id)).first()
+            if target is None:
+                raise NotFound(f"call {call_id!r} does not exist")
+            rows = {target.call_id: target}
+            if target.base_call_id is not None:
+                query = select(LlmCall.__table__).where(
+                    LlmCall.rollout_id == target.rollout_id,
+                    LlmCall.attempt == target.attempt,
+                    LlmCall.seq < target.seq,
+                )
+                rows.update((row.call_id, row) for row in conn.execute(query))
+        chain = [target]
+        while chain[-1].base_call_id is not None and chain[-1].base_call_id in rows:
+            chain.append(rows[chain[-1].base_call_id])
+        rebuilder = CallRebuilder()
+        return [rebuilder.rebuild(row) for row in reversed(chain)][-1]
+
+    def read_calls(self, rollout_id: str, attempt: int) -> list[CallRecord]:
+        """All calls of an attempt, full and bit-exact, in seq order (one query)."""
+        query = (
+            select(LlmCall.__table__)
+            .where(LlmCall.rollout_id == rollout_id, LlmCall.attempt == attempt)
+            .order_by(LlmCall.seq, LlmCall.call_id)
+        )
+        with self._engine.connect() as conn:
+            rows = list(conn.execute(query))
+        rebuilder = CallRebuilder()
+        return [rebuilder.rebuild(row) for row in rows]
+
+    def rollout_calls(self, rollout_id: str, attempt: int) -> list[StoredCall]:
+        """All calls of an attempt in delta form, in seq order: one query, linear in the final length."""
+        query = (
+            select(*DELTA_COLUMNS)
+            .where(LlmCall.rollout_id == rollout_id, LlmCall.attempt == attempt)
+            .order_by(LlmCall.seq, LlmCall.call_id)
+        )
+        with self._engine.connect() as conn:
+            return [stored_call_from_row(row) for row in conn.execute(query)]
+
+
+def _require_json(value: Any, what: str) -> str:
+    try:
+        return codec.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{what} is not storable JSON ({exc})") from None
+
+
+def _attempt_query() -> Any:
+    return select(RolloutAttempt.__table__, Rollout.task_id, Rollout.group_index).join(
+        Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id
+    )
+
+
+def _attempt_record(a: Row[Any]) -> AttemptRecord:
+    return AttemptRecord(
+        rollout_id=a.rollout_id,
+        attempt=a.attempt,
+        run=a.run,
+        task_id=a.task_id,
+        group_index=a.group_index,
+        state=RolloutState(a.state),
+        reason=a.reason,
+        reward=a.reward,
+        reward_info=a.reward_info,
+        policy_version_start=a.policy_version_start,
+        consumed_by_step=a.consumed_by_step,
+        created_at=a.created_at,
+        started_at=a.started_at,
+        finished_at=a.finished_at,
+        updated_at=a.updated_at,
+    )

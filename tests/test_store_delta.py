@@ -1,0 +1,139 @@
+"""Property tests: whatever a harness does to its history (extend, edit, truncate, restart, resend the reply
+rewritten), every call reads back exactly, and the delta form always rebuilds the true prompt."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harnessrl.store import CallRecord, StoredCall, TraceStore, codec, delta
+
+tokens = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=6)
+texts = st.text(max_size=6)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "tool", "system"]), "content": texts})
+history_moves = st.sampled_from(["extend", "extend", "extend", "edit", "truncate", "fresh"])
+message_moves = st.sampled_from(["exact", "exact", "rewritten", "edit", "drop", "fresh"])
+
+
+@st.composite
+def trajectories(draw: st.DrawFn) -> list[dict[str, Any]]:
+    """A list of calls (as plain dicts) built by random moves from each call to the next."""
+    prompt = draw(tokens)
+    messages = draw(st.lists(message, min_size=1, max_size=3))
+    calls: list[dict[str, Any]] = []
+    for _ in range(draw(st.integers(min_value=1, max_value=6))):
+        completion = draw(tokens)
+        logprobs = [float(codec.np.float32(-x / 7)) for x in range(len(completion))]
+        reply = {"role": "assistant", "content": draw(texts), "tool_calls": []}
+        with_response = draw(st.booleans()) or len(calls) == 0
+        response = (
+            {"choices": [{"message": reply, "token_ids": completion}], "prompt_token_ids": prompt}
+            if with_response
+            else None
+        )
+        calls.append({"prompt": prompt, "completion": completion, "logprobs": logprobs,
+                      "request": {"messages": messages, "n": 1}, "response": response})  # fmt: skip
+        context = prompt + completion
+        move = draw(history_moves)
+        if move == "extend":
+            prompt = context + draw(tokens)
+        elif move == "edit" and context:
+            i = draw(st.integers(min_value=0, max_value=len(context) - 1))
+            prompt = context[:i] + [context[i] ^ 1] + context[i + 1 :] + draw(tokens)
+        elif move == "truncate":
+            prompt = context[: draw(st.integers(min_value=0, max_value=len(context)))] + draw(tokens)
+        else:
+            prompt = draw(tokens)
+        mmove = draw(message_moves)
+        if mmove == "exact" and response is not None:
+            messages = [*messages, reply, draw(message)]
+        elif mmove == "rewritten":
+            messages = [*messages, {"role": "assistant", "content": reply["content"]}, draw(message)]
+        elif mmove == "edit":
+            i = draw(st.integers(min_value=0, max_value=len(messages) - 1))
+            messages = [
+                *messages[:i],
+                {**messages[i], "content": messages[i]["content"] + "!"},
+                *messages[i + 1 :],
+            ]
+        elif mmove == "drop" and len(messages) > 1:
+            messages = messages[1:]
+        else:
+            messages = draw(st.lists(message, min_size=1, max_size=3))
+    return calls
+
+
+def as_records(rollout_id: str, calls: list[dict[str, Any]]) -> list[CallRecord]:
+    return [
+        CallRecord(
+            call_id=f"{rollout_id}-{seq}",
+            run="run",
+            rollout_id=rollout_id,
+            attempt=0,
+            seq=seq,
+            route="chat",
+            request=c["request"],
+            response=c["response"],
+            prompt_token_ids=c["prompt"],
+            completion_token_ids=c["completion"],
+            logprobs=c["logprobs"],
+            policy_version=seq,
+        )  # fmt: skip
+        for seq, c in enumerate(calls)
+    ]
+
+
+def rebuild_prompt(by_id: dict[str, StoredCall], call: StoredCall) -> list[int]:
+    if call.parent_call_id is None:
+        return call.prompt_suffix
+    parent = by_id[call.parent_call_id]
+    return rebuild_prompt(by_id, parent) + parent.completion_token_ids + call.prompt_suffix
+
+
+@given(calls=trajectories())
+@settings(max_examples=300, deadline=None)
+def test_encode_decode_round_trip_without_a_database(calls: list[dict[str, Any]]) -> None:
+    """The pure encoding: anchors from full records, decoding from the previous call's full values."""
+    previous: tuple[delta.Anchor, list[int], Any] | None = None
+    for c in calls:
+        prompt_bytes = codec.pack_ids(c["prompt"])
+        encoded = delta.encode(prompt_bytes, c["request"], previous[0] if previous else None)
+        base_tokens, base_io = (previous[1], previous[2]) if encoded.base_call_id else ([], None)
+        prompt = base_tokens[: encoded.prompt_offset] + codec.unpack_ids(encoded.prompt_suffix_bytes)
+        assert prompt == c["prompt"]
+        if encoded.prompt_offset:
+            assert c["prompt"][: encoded.prompt_offset] == base_tokens  # only true extensions are deltas
+        assert delta.decode_request(encoded.request, encoded.request_reused, base_io, "x") == c["request"]
+        anchor = delta.make_anchor(
+            "x", prompt_bytes, codec.pack_ids(c["completion"]), c["request"], c["response"]
+        )
+        request_in = delta.request_input(c["request"])
+        output = delta.request_output(request_in, c["response"])
+        previous = (
+            anchor,
+            c["prompt"] + c["completion"],
+            request_in if output is None else request_in + [output],
+        )
+
+
+counter = itertools.count()
+
+
+@given(calls=trajectories(), split=st.integers(min_value=1, max_value=6), backwards=st.booleans())
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_store_round_trip_for_any_history(store: TraceStore, calls: list[dict[str, Any]], split: int,
+                                          backwards: bool) -> None:  # fmt: skip
+    rollout_id = f"h{next(counter)}"
+    records = as_records(rollout_id, calls)
+    batches = [records[i : i + split] for i in range(0, len(records), split)]
+    for batch in reversed(batches) if backwards else batches:
+        store.add_calls(batch)
+    assert store.read_calls(rollout_id, 0) == records
+    for record in records:
+        assert store.get_call(record.call_id) == record
+    stored = store.rollout_calls(rollout_id, 0)
+    by_id = {s.call_id: s for s in stored}
+    assert [rebuild_prompt(by_id, s) for s in stored] == [r.prompt_token_ids for r in records]

@@ -1,0 +1,96 @@
+"""Runs, tasks, rollouts, rewards and policy versions: what the scheduler and the learner rely on."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import insert, select
+
+from harnessrl.store import NotFound, RolloutState, TraceStore
+from harnessrl.store.records import utcnow
+from harnessrl.store.schema import PolicyVersion, Run
+
+S = RolloutState
+
+
+def test_tasks_are_idempotent_and_ids_are_stable(store: TraceStore) -> None:
+    tasks = [{"id": 7, "prompt": "a"}, {"prompt": "b"}, {"prompt": "c", "nested": {"x": [1, 2]}}]
+    ids = store.add_tasks("run", tasks)
+    assert ids[0] == "7" and len(set(ids)) == 3
+    assert store.add_tasks("run", tasks) == ids  # a restarted scheduler loading the same file adds nothing
+    assert [store.get_task("run", i) for i in ids] == tasks
+    assert store.add_tasks("other-run", tasks) == ids  # ids are per run: no clash
+    with pytest.raises(ValueError, match=r"tasks\[1\] is not storable JSON"):
+        store.add_tasks("run", [{"ok": 1}, {"bad": float("inf")}])
+    with pytest.raises(NotFound, match="add_tasks"):
+        store.get_task("run", "missing")
+
+
+def test_create_rollout_is_idempotent_and_refuses_conflicts(store: TraceStore) -> None:
+    [task] = store.add_tasks("run", [{"id": "t"}])
+    rollout_id = store.create_rollout("run", task, 3, rollout_id="run-t-3")
+    assert store.create_rollout("run", task, 3, rollout_id="run-t-3") == rollout_id
+    attempt = store.get_attempt(rollout_id, 0)
+    assert (attempt.state, attempt.task_id, attempt.group_index, attempt.run) == (S.QUEUED, "t", 3, "run")
+    with pytest.raises(ValueError, match="already exists"):
+        store.create_rollout("run", task, 4, rollout_id="run-t-3")
+    with pytest.raises(NotFound, match="task 'nope'"):
+        store.create_rollout("run", "nope", 0)
+    generated = store.create_rollout("run", task, 0)
+    assert generated != rollout_id and store.get_attempt(generated, 0).state is S.QUEUED
+
+
+def test_missing_reward_is_none_and_last_reward_wins(store: TraceStore) -> None:
+    [task] = store.add_tasks("run", [{"id": "t"}])
+    rollout_id = store.create_rollout("run", task, 0)
+    assert store.get_attempt(rollout_id, 0).reward is None  # never a silent zero
+    store.transition(rollout_id, 0, S.RUNNING)
+    store.finish_attempt(rollout_id, 0, S.SUCCEEDED)
+    assert store.get_attempt(rollout_id, 0).reward is None
+    store.set_reward(rollout_id, 0, 0.0, {"verifier": "tests", "passed": 0})
+    first = store.get_attempt(rollout_id, 0)
+    assert (first.reward, first.reward_info) == (0.0, {"verifier": "tests", "passed": 0})
+    store.set_reward(rollout_id, 0, -1.25)  # a later report replaces the earlier one, info included
+    last = store.get_attempt(rollout_id, 0)
+    assert (last.reward, last.reward_info) == (-1.25, None)
+    for bad in (float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="finite number"):
+            store.set_reward(rollout_id, 0, bad)  # type: ignore[arg-type]
+    assert store.get_attempt(rollout_id, 0).reward == -1.25
+    with pytest.raises(NotFound, match="reward not stored"):
+        store.set_reward(rollout_id, 5, 1.0)
+
+
+def test_list_and_count_attempts(store: TraceStore) -> None:
+    store.add_tasks("run", [{"id": "t"}])
+    ids = [store.create_rollout("run", "t", i, rollout_id=f"r{i}") for i in range(4)]
+    store.transition(ids[0], 0, S.RUNNING)
+    store.transition(ids[1], 0, S.RUNNING)
+    store.finish_attempt(ids[1], 0, S.FAILED)
+    store.new_attempt(ids[1])
+    store.transition(ids[2], 0, S.CANCELLED)
+    counts = store.count_attempts("run")
+    assert counts == {S.QUEUED: 2, S.RUNNING: 1, S.SUCCEEDED: 0, S.FAILED: 1, S.TIMED_OUT: 0, S.CANCELLED: 1}
+    queued = store.list_attempts("run", states=[S.QUEUED])
+    assert sorted((a.rollout_id, a.attempt) for a in queued) == [("r1", 1), ("r3", 0)]
+    assert len(store.list_attempts("run")) == 5
+    assert store.list_attempts("other") == []
+    assert all(a.consumed_by_step is None for a in store.list_attempts("run", unconsumed=True))
+
+
+def test_policy_versions_synced_flag(store: TraceStore) -> None:
+    store.ensure_run("run", {"model": {"path": "/m"}})
+    store.ensure_run("run", {"model": {"path": "/m2"}})  # a new spec replaces the old
+    with store.engine.begin() as conn:
+        assert conn.scalar(select(Run.spec).where(Run.name == "run")) == {"model": {"path": "/m2"}}
+        for version in (0, 1, 2):
+            conn.execute(insert(PolicyVersion).values(
+                run="run", version=version, checkpoint_path=f"/ckpt/{version}", created_at=utcnow(),
+                synced=version == 0,
+            ))  # fmt: skip
+    assert store.latest_policy_version("run") == 0
+    assert store.latest_policy_version("run", synced_only=False) == 2
+    store.mark_policy_synced("run", 2)
+    assert store.latest_policy_version("run") == 2
+    assert store.latest_policy_version("nobody") is None
+    with pytest.raises(NotFound):
+        store.mark_policy_synced("run", 9)
