@@ -41,7 +41,7 @@ def count_tool(text: str) -> str:
 
 
 def main() -> int:
-    task = load_task()
+    task = load_task()["data"]  # a TrainingRun task: {"id": ..., "data": {...}}
     base_url = os.environ["OPENAI_BASE_URL"]
     client = OpenAI(base_url=base_url, api_key=os.environ.get("OPENAI_API_KEY", "unused"), max_retries=2)
     model = os.environ.get("HARNESSRL_MODEL_NAME", task.get("model", "policy"))

@@ -93,7 +93,8 @@ class Rows(SpecModel):
     max_prompt_tokens: int = Field(default=16384, ge=1)
     """Rows whose prompt is longer are left out (and counted)."""
     max_row_tokens: int = Field(default=32768, ge=1)
-    """A merged row longer than this is split at a call boundary."""
+    """A row may not grow past this: a call whose prompt leaves no room is dropped, a completion that runs past
+    it is cut (both counted). Rows always start at the conversation's first token, so they are never split."""
 
     rules = (
         Rule(
