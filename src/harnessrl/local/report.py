@@ -1,0 +1,160 @@
+"""What a person watches: progress, the summary table and the reward curve, all read from the store.
+
+Everything here is derived from the trace store alone (attempt states, rewards, which step consumed which
+attempt), so the live display, the end-of-run summary and ``harnessrl status RUN_DIR`` always agree, and a
+resumed or crashed run reports the same history.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harnessrl.store import AttemptRecord, RolloutState, TraceStore
+from harnessrl.store.learner_ledger import LearnerLedger
+
+RUN_FILE = "run.json"  # in the run directory: which store and run name `harnessrl status` reads
+
+
+@dataclass(frozen=True)
+class StepSummary:
+    """One learner step: the rewards of the rollouts it trained on."""
+
+    step: int
+    rollouts: int
+    succeeded: int
+    reward_mean: float | None
+    reward_std: float | None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    run: str
+    counts: dict[RolloutState, int]
+    policy_version: int
+    steps: list[StepSummary]
+    rollouts_per_s: float | None
+    reward_by_version: dict[int, float]
+
+    @property
+    def finished(self) -> int:
+        return sum(n for state, n in self.counts.items() if state.terminal)
+
+
+def summarize(store: TraceStore, run: str) -> RunSummary:
+    attempts = store.list_attempts(run)
+    ledger = LearnerLedger(store, run)
+    by_step: dict[int, list[AttemptRecord]] = defaultdict(list)
+    by_version: dict[int, list[float]] = defaultdict(list)
+    for attempt in attempts:
+        if attempt.consumed_by_step is not None:
+            by_step[attempt.consumed_by_step].append(attempt)
+        if attempt.state is RolloutState.SUCCEEDED and attempt.reward is not None:
+            by_version[attempt.policy_version_start or 0].append(attempt.reward)
+    steps = []
+    for step in sorted(by_step):
+        members = by_step[step]
+        rewards = [a.reward for a in members if a.state is RolloutState.SUCCEEDED and a.reward is not None]
+        mean, std = _mean_std(rewards)
+        steps.append(StepSummary(step, len(members), len(rewards), mean, std, ledger.step_metrics(step) or {}))
+    ended = sorted(a.finished_at.timestamp() for a in attempts if a.finished_at is not None and a.state.terminal)
+    rate = (len(ended) - 1) / (ended[-1] - ended[0]) if len(ended) > 1 and ended[-1] > ended[0] else None
+    return RunSummary(
+        run=run,
+        counts=store.count_attempts(run),
+        policy_version=ledger.committed_version(),
+        steps=steps,
+        rollouts_per_s=rate,
+        reward_by_version={v: sum(r) / len(r) for v, r in sorted(by_version.items())},
+    )
+
+
+def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    mean = sum(values) / len(values)
+    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def progress_line(summary: RunSummary, target_steps: int | None = None) -> str:
+    """One line for the live display (and for logs when stdout is not a terminal)."""
+    c = summary.counts
+    last = summary.steps[-1] if summary.steps else None
+    steps = f"{len(summary.steps)}/{target_steps}" if target_steps else str(len(summary.steps))
+    return (
+        f"step {steps}  policy v{summary.policy_version}  "
+        f"rollouts running {c[RolloutState.RUNNING]} queued {c[RolloutState.QUEUED]} "
+        f"done {c[RolloutState.SUCCEEDED]} failed {c[RolloutState.FAILED] + c[RolloutState.TIMED_OUT]}  "
+        f"reward {_fmt(last.reward_mean if last else None)}  "
+        f"rollouts/s {_fmt(summary.rollouts_per_s, 2)}"
+    )
+
+
+def summary_table(summary: RunSummary):  # -> rich.table.Table (rich is imported lazily: local extra)
+    """The end-of-run table: one line per learner step, then the rollout totals."""
+    from rich.table import Table
+
+    table = Table(title=f"harnessrl run {summary.run}: policy v{summary.policy_version}")
+    for column in ("step", "rollouts", "succeeded", "reward mean", "reward std", "loss", "grad norm",
+                   "logprob corr"):
+        table.add_column(column, justify="right")
+    for s in summary.steps:
+        m = s.metrics
+        table.add_row(str(s.step), str(s.rollouts), str(s.succeeded), _fmt(s.reward_mean), _fmt(s.reward_std),
+                      _fmt(m.get("loss"), 4), _fmt(m.get("grad_norm"), 3), _fmt(m.get("logprob_pearson"), 4))
+    totals = ", ".join(f"{state.value} {n}" for state, n in summary.counts.items() if n)
+    table.caption = f"rollouts: {totals or 'none yet'}"
+    return table
+
+
+def write_reward_curve(summary: RunSummary, path: Path) -> Path | None:
+    """Reward mean (with its spread) per learner step as a PNG; None while no step has a reward."""
+    points = [(s.step, s.reward_mean, s.reward_std or 0.0) for s in summary.steps if s.reward_mean is not None]
+    if not points:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps, means, stds = zip(*points, strict=True)
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    ax.plot(steps, means, marker="o", label="reward mean")
+    ax.fill_between(steps, [m - s for m, s in zip(means, stds, strict=True)],
+                    [m + s for m, s in zip(means, stds, strict=True)], alpha=0.2, label="± std")
+    ax.set_xlabel("learner step")
+    ax.set_ylabel("reward of the rollouts trained on")
+    ax.set_title(f"{summary.run}: reward per step")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_run_file(run_dir: Path, run: str, store_url: str) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_FILE).write_text(json.dumps({"run": run, "store": store_url}, indent=2) + "\n")
+
+
+def read_run_file(run_dir: Path) -> tuple[str, str]:
+    path = run_dir / RUN_FILE
+    try:
+        data = json.loads(path.read_text())
+        return str(data["run"]), str(data["store"])
+    except FileNotFoundError:
+        raise ValueError(f"{run_dir} is not a run directory (no {RUN_FILE}); give the directory "
+                         "`harnessrl run` printed") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path} is damaged ({exc}); it should hold {{\"run\": ..., \"store\": ...}}") from None
