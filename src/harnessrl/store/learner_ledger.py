@@ -81,8 +81,9 @@ class LearnerLedger:
 
     # -- versions ----------------------------------------------------------------------------------------------
 
-    def ensure_base_version(self, checkpoint_path: str) -> None:
-        """Record version 0 (the model the replicas start from, hence already synced) if it is missing."""
+    def ensure_base_version(self, checkpoint_path: str, synced: bool = True) -> None:
+        """Record version 0 if it is missing: the base model, which replicas start from (hence synced), or a
+        LoRA run's initial adapter, which they still have to load (``synced=False``)."""
         with self._writer.begin() as conn:
             if conn.scalar(select(Run.name).where(Run.name == self.run)) is None:
                 conn.execute(insert(Run).values(name=self.run, created_at=utcnow()))
@@ -92,8 +93,8 @@ class LearnerLedger:
             if exists is None:
                 now = utcnow()
                 conn.execute(insert(PolicyVersion).values(
-                    run=self.run, version=0, checkpoint_path=checkpoint_path, created_at=now, synced=True,
-                    synced_at=now,
+                    run=self.run, version=0, checkpoint_path=checkpoint_path, created_at=now, synced=synced,
+                    synced_at=now if synced else None,
                 ))
 
     def committed_version(self) -> int:
@@ -137,26 +138,29 @@ class LearnerLedger:
         """
         if tasks_per_step < 1 or group_size < 1:
             raise ValueError(f"tasks_per_step ({tasks_per_step}) and group_size ({group_size}) must be >= 1")
-        query = (
+        latest = (
+            select(RolloutAttempt.rollout_id, func.max(RolloutAttempt.attempt).label("attempt"))
+            .where(RolloutAttempt.run == self.run)
+            .group_by(RolloutAttempt.rollout_id)
+            .subquery()
+        )
+        query = (  # the latest attempt of every rollout with a task, if no step consumed it yet
             select(
                 RolloutAttempt.rollout_id, RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.reward,
-                RolloutAttempt.policy_version_start, RolloutAttempt.consumed_by_step, RolloutAttempt.finished_at,
-                RolloutAttempt.updated_at, Rollout.task_id, Rollout.group_index,
+                RolloutAttempt.policy_version_start, RolloutAttempt.finished_at, RolloutAttempt.updated_at,
+                Rollout.task_id, Rollout.group_index,
             )
+            .join(latest, (latest.c.rollout_id == RolloutAttempt.rollout_id)
+                  & (latest.c.attempt == RolloutAttempt.attempt))
             .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
-            .where(RolloutAttempt.run == self.run, Rollout.task_id.is_not(None))
+            .where(RolloutAttempt.run == self.run, RolloutAttempt.consumed_by_step.is_(None),
+                   Rollout.task_id.is_not(None))
         )
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()
-        latest: dict[str, Any] = {}
-        for row in rows:
-            held = latest.get(row.rollout_id)
-            if held is None or row.attempt > held.attempt:
-                latest[row.rollout_id] = row
         groups: dict[str, list[Any]] = defaultdict(list)
-        for row in latest.values():
-            if row.consumed_by_step is None:
-                groups[row.task_id].append(row)
+        for row in rows:
+            groups[row.task_id].append(row)
         complete: list[tuple[Any, str, list[Any]]] = []
         for task_id, members in groups.items():
             if len(members) >= group_size and all(m.state in TERMINAL_STATES for m in members):

@@ -1,0 +1,48 @@
+"""``harnessrl learn``: wrong input is one clear line naming the option and the fix, never a traceback."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def learn(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harnessrl.cli", "learn", *args], capture_output=True, text=True, check=False,
+                          timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from harnessrl.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_a_directory_without_a_model_is_refused(tmp_path: Path):
+    proc = learn("--store", f"sqlite:///{tmp_path / 's.db'}", "--run", "r", "--model", str(tmp_path),
+                 "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2
+    assert "--model" in proc.stderr and "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_wrong_store_url_is_one_line(tiny: Path, tmp_path: Path):
+    proc = learn("--store", "mysql://db/x", "--run", "r", "--model", str(tiny), "--output", str(tmp_path / "out"))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+    assert "mysql" in line and "sqlite:///" in line  # names the URL and what to use instead
+
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["--loss-aggregation", "seq-mean-token-sum-norm"], "--max-row-tokens"),
+    (["--lr", "0"], "--lr"),
+    (["--zero-stage", "4"], "--zero-stage"),
+])
+def test_bad_settings_name_the_option(tiny: Path, tmp_path: Path, args: list[str], names: str):
+    proc = learn("--store", f"sqlite:///{tmp_path / 's.db'}", "--run", "r", "--model", str(tiny),
+                 "--output", str(tmp_path / "out"), *args)
+    assert proc.returncode == 2
+    assert names in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,35 @@
+"""A TrainingRun's spec maps onto the learner's settings (the example cluster run, parsed by the spec model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from harnessrl.spec.models import TrainingRun
+from harnessrl.trainer.learner import LearnerSettings
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "trainingrun-cluster.yaml"
+
+
+def test_the_cluster_example_becomes_learner_settings(tmp_path: Path):
+    run = TrainingRun.model_validate(yaml.safe_load(EXAMPLE.read_text()))
+    spec = run.spec
+    settings = LearnerSettings.from_spec(spec, run=run.metadata.name, model_dir=tmp_path / "model",
+                                         output_dir=tmp_path / "ckpt", replicas=("http://vllm-0:8000",))
+    learner = spec.learner
+    assert settings.run == "swe-qwen" and settings.replicas == ("http://vllm-0:8000",)
+    assert settings.group_size == spec.harness.group_size == 8
+    assert settings.tasks_per_step == learner.tasks_per_step and settings.steps == learner.steps
+    assert settings.engine.zero_stage == learner.deepspeed.zero_stage
+    assert settings.engine.lr == learner.algorithm.lr
+    assert settings.engine.micro_batch_tokens == learner.micro_batch_tokens
+    assert (settings.engine.lora is not None) == (spec.weight_sync.method == "lora")
+    if settings.engine.lora is not None:
+        assert settings.engine.lora.rank == learner.lora.rank
+    assert settings.loss.loss == learner.algorithm.loss
+    assert (settings.loss.clip_low, settings.loss.clip_high) == tuple(learner.algorithm.clip)
+    assert settings.advantage.max_staleness == learner.max_staleness
+    assert settings.max_row_tokens == learner.rows.max_row_tokens
+    assert settings.pause_mode == spec.proxy.pause.mode
+    assert settings.sync_tries == spec.weight_sync.retries + 1

@@ -1,0 +1,74 @@
+"""Weight sync against real capture proxies (their admin API over HTTP): pause, announce, always resume.
+
+The replicas here are unreachable addresses (a real connection failure); the vLLM test loads real weights.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from proxy_servers import loops, make_proxy, upstream  # noqa: F401 - pytest fixtures
+
+from harnessrl.trainer.weight_sync import ProxyAdminGate, VllmReplica, WeightSync, retry
+
+
+def dead_url() -> str:
+    """An address nothing listens on: the port was free a moment ago and is closed again."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def state(url: str) -> dict:
+    return httpx.get(f"{url}/admin/state", timeout=10).json()
+
+
+def test_retry_backs_off_exponentially_then_gives_up():
+    waits: list[float] = []
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("not yet")
+        return "loaded"
+
+    assert retry(flaky, 4, 0.5, "flaky", sleep=waits.append) == "loaded"
+    assert waits == [0.5, 1.0]
+
+    waits.clear()
+    with pytest.raises(ConnectionError):
+        retry(lambda: (_ for _ in ()).throw(ConnectionError("down")), 3, 0.25, "down", sleep=waits.append)
+    assert waits == [0.25, 0.5]
+
+
+def test_a_failing_replica_is_retried_reported_and_the_proxies_resume_on_the_old_version(make_proxy, upstream):
+    proxies = [make_proxy([upstream.url]), make_proxy([upstream.url])]
+    gate = ProxyAdminGate([p.url for p in proxies], mode="reject", drain_timeout_s=2)
+    bad = dead_url()
+    sync = WeightSync([VllmReplica(bad)], gate, tries=3, backoff_s=0.01)
+    report = sync.sync(5, Path("/nonexistent/v000005"))
+
+    assert not report.ok
+    (result,) = report.replicas
+    assert result.name == bad and result.tries == 3 and "ConnectError" in result.error
+    assert report.failed == [bad]
+    assert report.pause.drained and set(report.pause.in_flight) == {p.url for p in proxies}
+    for proxy in proxies:
+        assert state(proxy.url)["paused"] is False  # resumed although the sync failed
+        assert state(proxy.url)["policy_version"] == 0  # the new version was not announced
+
+
+def test_without_replicas_the_version_reaches_every_proxy_and_a_dead_proxy_is_reported(make_proxy, upstream):
+    live = make_proxy([upstream.url])
+    gone = dead_url()
+    gate = ProxyAdminGate([live.url, gone], retries=2, backoff_s=0.01)
+    report = WeightSync([], gate).sync(3, Path("/ckpt/v000003"))
+    assert report.ok  # no replica left behind; the proxy problem is reported apart
+    assert state(live.url)["policy_version"] == 3 and state(live.url)["paused"] is False
+    assert sorted(report.gate_errors) == [f"pause {gone}", f"resume {gone}", f"version {gone}"]
+    assert all("ConnectError" in e for e in report.gate_errors.values())

@@ -1,0 +1,119 @@
+"""``harnessrl learn``: run the learner loop against a trace store.
+
+Every rank runs the same command line; the launcher (torchrun, the DeepSpeed launcher, a Kubernetes indexed
+Job) supplies MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK. Only rank 0 opens the store and
+talks to replicas and proxies. Settings are flags here; a TrainingRun spec maps onto the same
+``LearnerSettings`` through ``LearnerSettings.from_spec``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import click
+
+
+def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    if value is not None and value <= 0:
+        raise click.BadParameter(f"{value} must be > 0", ctx=ctx, param=param)
+    return value
+
+
+@click.command("learn")
+@click.option("--store", "store_url", required=True, envvar="HARNESSRL_STORE_URL",
+              help="Trace store URL (sqlite:///PATH or postgresql+psycopg://...).")
+@click.option("--run", "run", required=True, envvar="HARNESSRL_RUN", help="TrainingRun name in the store.")
+@click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Base model directory (HF format: config, safetensors, tokenizer).")
+@click.option("--output", "output_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoint directory (shared with the vLLM replicas; versions/ and engine/ inside).")
+@click.option("--steps", default=100, show_default=True, type=click.IntRange(min=1),
+              help="Total steps of the run; a restarted learner stops at the same step.")
+@click.option("--tasks-per-step", default=8, show_default=True, type=click.IntRange(min=1))
+@click.option("--group-size", default=8, show_default=True, type=click.IntRange(min=1),
+              help="Rollouts per task; a task's group is trained once all of them finished.")
+@click.option("--lr", default=1.0e-6, show_default=True, type=float, callback=_positive)
+@click.option("--zero-stage", default=2, show_default=True, type=click.IntRange(0, 3))
+@click.option("--micro-batch-tokens", default=32768, show_default=True, type=click.IntRange(min=2))
+@click.option("--gradient-clip", default=1.0, show_default=True, type=float, callback=_positive)
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=False, show_default=True)
+@click.option("--lora-rank", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Train a LoRA adapter of this rank (0: full fine-tuning).")
+@click.option("--lora-alpha", default=32.0, show_default=True, type=float, callback=_positive)
+@click.option("--loss", default="ppo-clip", show_default=True, type=click.Choice(["ppo-clip", "cispo", "acpo"]))
+@click.option("--loss-aggregation", default="per-rollout-mean", show_default=True,
+              type=click.Choice(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "per-rollout-mean"]))
+@click.option("--advantage", default="grpo", show_default=True, type=click.Choice(["grpo", "rloo"]))
+@click.option("--max-staleness", default=None, type=click.IntRange(min=0),
+              help="Leave out rollouts more than this many versions old (default: no limit).")
+@click.option("--row-mode", default="merge", show_default=True, type=click.Choice(["merge", "transition"]))
+@click.option("--max-row-tokens", default=None, type=click.IntRange(min=1))
+@click.option("--replica", "replicas", multiple=True, help="vLLM base URL to sync weights to (repeatable).")
+@click.option("--proxy", "proxies", multiple=True, help="Proxy base URL to pause during syncs (repeatable).")
+@click.option("--keep-checkpoints", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--wait-timeout", default=None, type=float, callback=_positive,
+              help="Stop when no step's worth of rollouts arrives for this many seconds (default: wait).")
+@click.option("--poll-interval", default=2.0, show_default=True, type=float, callback=_positive)
+@click.option("--metrics-port", default=None, type=click.IntRange(1, 65535), help="Serve /metrics (rank 0).")
+def learn_command(store_url: str, run: str, model_dir: Path, output_dir: Path, steps: int, tasks_per_step: int,
+                  group_size: int, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
+                  gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
+                  loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
+                  max_row_tokens: int | None, replicas: tuple[str, ...], proxies: tuple[str, ...],
+                  keep_checkpoints: int, wait_timeout: float | None, poll_interval: float,
+                  metrics_port: int | None) -> None:
+    """Train on finished rollouts from the store, write versioned checkpoints, sync them to vLLM."""
+    if not (model_dir / "config.json").is_file():
+        raise click.BadParameter(f"{model_dir} has no config.json; pass a Hugging Face model directory",
+                                 param_hint="--model")
+    if loss_aggregation == "seq-mean-token-sum-norm" and max_row_tokens is None:
+        raise click.BadParameter("seq-mean-token-sum-norm divides by the row limit; also pass --max-row-tokens",
+                                 param_hint="--loss-aggregation")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from harnessrl.store import StoreError, TraceStore
+    from harnessrl.store.learner_ledger import CommitRefused
+    from harnessrl.trainer.advantages import AdvantageConfig
+    from harnessrl.trainer.engine import EngineSettings, LoraSettings, PolicyEngine, init_distributed
+    from harnessrl.trainer.learner import Learner, LearnerSettings
+    from harnessrl.trainer.losses import LossConfig
+
+    try:
+        settings = LearnerSettings(
+            run=run, model_dir=model_dir, output_dir=output_dir, steps=steps, tasks_per_step=tasks_per_step,
+            group_size=group_size, row_mode=row_mode, max_row_tokens=max_row_tokens,
+            engine=EngineSettings(
+                zero_stage=zero_stage, lr=lr, gradient_clip=gradient_clip, micro_batch_tokens=micro_batch_tokens,
+                gradient_checkpointing=gradient_checkpointing,
+                lora=LoraSettings(rank=lora_rank, alpha=lora_alpha) if lora_rank else None,
+            ),
+            advantage=AdvantageConfig(estimator=advantage, max_staleness=max_staleness),
+            loss=LossConfig(loss=loss, aggregation=loss_aggregation, sum_norm_tokens=max_row_tokens),
+            keep_checkpoints=keep_checkpoints, replicas=replicas, proxies=proxies, wait_timeout_s=wait_timeout,
+            poll_interval_s=poll_interval, metrics_port=metrics_port,
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    store = None
+    if int(os.environ.get("RANK", "0")) == 0:  # before the slow engine start, so a wrong URL fails at once
+        try:
+            store = TraceStore.connect(store_url)
+            store.upgrade()
+        except StoreError as exc:
+            raise click.ClickException(str(exc)) from None
+    dist = init_distributed()
+    engine = PolicyEngine(model_dir, settings.engine, dist)
+    try:
+        outcomes = Learner(settings, engine, store).run()
+    except CommitRefused as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if store is not None:
+            store.close()
+    if dist.is_main:
+        last = outcomes[-1].version if outcomes else None
+        click.echo(f"learner stopped after {len(outcomes)} step(s); last version {last}; "
+                   f"rank {dist.rank} of {dist.world_size}, pid {os.getpid()}")

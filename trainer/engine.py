@@ -1,0 +1,533 @@
+"""The policy under DeepSpeed: per-token log-probs of generated tokens and one optimizer step per step batch.
+
+One learner step is one optimizer update over a *step batch* (all rows of the claimed rollouts), split over
+ranks and then into micro-batches by a token budget. The split must not change the update, so:
+
+* every token carries a loss **weight** that is already normalised over the whole step batch (the learner
+  computes it once from the aggregation mode), and a micro-batch's loss is the weighted *sum* of its token
+  losses. Summing micro-batches and ranks then gives the step loss exactly, however rows were split;
+* DeepSpeed averages gradients over data-parallel ranks, so each rank's loss is multiplied by the world size
+  to turn that average back into the sum;
+* gradient accumulation is unmanaged (``managed_gradient_accumulation: false``): ``step()`` is the boundary,
+  so the number of micro-batches may differ from step to step. ZeRO-2 reduces gradients inside every
+  backward, so every rank runs the same number of backwards: short ranks pad with empty micro-batches
+  (a real forward/backward whose tokens all weigh zero, so every parameter still takes part).
+
+Log-probs are taken from the decoder's hidden states at the positions that predict a generated token only,
+projected through the output embedding in chunks (recomputed in the backward pass). Agentic rows are mostly
+prompt (tool output, files), so this never builds the ``[tokens, vocab]`` logits of the prompt; with a large
+vocabulary (150k) the chunking bounds the ``[chunk, vocab]`` block held at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+# Positions projected through the output embedding at once; [chunk, vocab] fp32 is 600 MB at a 150k vocab.
+LOGPROB_CHUNK_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A LoRA adapter instead of full fine-tuning (peft); vLLM then loads the adapter, not the weights."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine needs from the TrainingRun's ``learner`` section (see ``LearnerSettings``)."""
+
+    zero_stage: int = 2
+    lr: float = 1.0e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    gradient_clip: float = 1.0
+    micro_batch_tokens: int = 32768
+    gradient_checkpointing: bool = False
+    lora: LoraSettings | None = None
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on an accelerator, fp32 on the CPU
+    offload_optimizer: bool = False
+    offload_parameters: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage: {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
+        if self.micro_batch_tokens < 2:
+            raise ValueError(f"micro_batch_tokens: {self.micro_batch_tokens} is below 2; pass a token budget >= 2")
+        if self.gradient_clip <= 0:
+            raise ValueError(f"gradient_clip: {self.gradient_clip} must be > 0")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> DistInfo:
+    """Join the process group described by the standard launcher environment, once per process.
+
+    ``torchrun``, the DeepSpeed launcher and a Kubernetes indexed Job all set MASTER_ADDR, MASTER_PORT, RANK,
+    WORLD_SIZE and LOCAL_RANK. A process started without them is a world of one (local runs, tests).
+    gloo on the CPU, nccl on GPUs.
+    """
+    import deepspeed
+
+    alone = "WORLD_SIZE" not in os.environ
+    if not alone:
+        missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK") if k not in os.environ]
+        if missing:
+            raise RuntimeError(f"WORLD_SIZE is set but {', '.join(missing)} is not; start the learner with a launcher "
+                               "(torchrun, deepspeed) or set all of MASTER_ADDR, MASTER_PORT, RANK, LOCAL_RANK")
+    local_rank = 0 if alone else int(os.environ["LOCAL_RANK"])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not torch.distributed.is_initialized():
+        if alone:  # a private rendezvous; the process environment is left as it was
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False,
+                                       init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        else:
+            deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+    return DistInfo(torch.distributed.get_rank(), torch.distributed.get_world_size(), local_rank, device)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Rows -> micro-batches
+
+
+@dataclass(frozen=True)
+class TrainRow:
+    """One training row as the engine consumes it; arrays are per position of ``input_ids``.
+
+    ``loss_mask[p] == 1`` means token ``p`` was generated and is trained on (its log-prob is predicted at
+    ``p - 1``). ``weights`` is each token's share of the step loss, normalised over the whole step batch.
+    ``key`` identifies the rollout attempt (for per-rollout metrics), ``index`` the row within the step.
+    """
+
+    index: int
+    key: tuple[str, int]
+    input_ids: np.ndarray  # int64 [n]
+    loss_mask: np.ndarray  # int8 [n]
+    rollout_logprobs: np.ndarray  # float32 [n]
+    advantages: np.ndarray  # float32 [n]
+    weights: np.ndarray  # float32 [n]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded tensors for one forward/backward plus the flattened generated tokens (``K`` of them).
+
+    ``target_pos[k]`` is the flat index into ``[B * T]`` of the position whose output predicts token ``k``.
+    """
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    target_pos: torch.Tensor  # [K] long
+    targets: torch.Tensor  # [K] long
+    rollout_logprobs: torch.Tensor  # [K] float32
+    advantages: torch.Tensor  # [K] float32
+    weights: torch.Tensor  # [K] float32
+    token_row: torch.Tensor  # [K] long: index of the TrainRow each token belongs to
+    row_tokens: int  # unpadded tokens in the batch (throughput counts these)
+    padding: bool = False  # an empty micro-batch that only keeps ranks in step
+
+    @property
+    def num_targets(self) -> int:
+        return int(self.targets.shape[0])
+
+    def to(self, device: torch.device) -> MicroBatch:
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return MicroBatch(**moved)
+
+
+def collate(rows: Sequence[TrainRow], pad_id: int = 0) -> MicroBatch:
+    """Stack rows into one right-padded micro-batch."""
+    if not rows:
+        raise ValueError("collate needs at least one row")
+    length = max(r.num_tokens for r in rows)
+    ids = np.full((len(rows), length), pad_id, dtype=np.int64)
+    attn = np.zeros((len(rows), length), dtype=np.int64)
+    pos, tgt, old, adv, wts, owner = [], [], [], [], [], []
+    for b, row in enumerate(rows):
+        n = row.num_tokens
+        ids[b, :n] = row.input_ids
+        attn[b, :n] = 1
+        generated = np.flatnonzero(row.loss_mask[1:]) + 1  # token 0 has nothing before it to predict it
+        pos.append(b * length + generated - 1)
+        tgt.append(row.input_ids[generated])
+        old.append(row.rollout_logprobs[generated])
+        adv.append(row.advantages[generated])
+        wts.append(row.weights[generated])
+        owner.append(np.full(generated.shape[0], row.index, dtype=np.int64))
+    cat = np.concatenate
+    return MicroBatch(
+        input_ids=torch.from_numpy(ids),
+        attention_mask=torch.from_numpy(attn),
+        target_pos=torch.from_numpy(cat(pos).astype(np.int64)),
+        targets=torch.from_numpy(cat(tgt).astype(np.int64)),
+        rollout_logprobs=torch.from_numpy(cat(old).astype(np.float32)),
+        advantages=torch.from_numpy(cat(adv).astype(np.float32)),
+        weights=torch.from_numpy(cat(wts).astype(np.float32)),
+        token_row=torch.from_numpy(cat(owner)),
+        row_tokens=int(sum(r.num_tokens for r in rows)),
+    )
+
+
+def padding_micro_batch(pad_id: int = 0) -> MicroBatch:
+    """Two pad tokens, one zero-weight target: a real pass that changes no gradient."""
+    return MicroBatch(
+        input_ids=torch.full((1, 2), pad_id, dtype=torch.long),
+        attention_mask=torch.ones((1, 2), dtype=torch.long),
+        target_pos=torch.zeros(1, dtype=torch.long),
+        targets=torch.full((1,), pad_id, dtype=torch.long),
+        rollout_logprobs=torch.zeros(1),
+        advantages=torch.zeros(1),
+        weights=torch.zeros(1),
+        token_row=torch.full((1,), -1, dtype=torch.long),
+        row_tokens=0,
+        padding=True,
+    )
+
+
+def plan_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list[TrainRow]]:
+    """Group rows so that each padded micro-batch (rows x longest row) stays within ``token_budget``.
+
+    Rows are taken longest first so similar lengths share a batch (little padding); a row longer than the
+    budget goes alone (the spec keeps ``microBatchTokens >= maxRowTokens`` so that does not happen in a run).
+    Deterministic: the same rows always give the same plan.
+    """
+    ordered = sorted(rows, key=lambda r: (-r.num_tokens, r.index))
+    plan: list[list[TrainRow]] = []
+    current: list[TrainRow] = []
+    for row in ordered:
+        longest = current[0].num_tokens if current else row.num_tokens
+        if current and (len(current) + 1) * longest > token_budget:
+            plan.append(current)
+            current = []
+        current.append(row)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def shard_rows(rows: Sequence[TrainRow], world_size: int) -> list[list[TrainRow]]:
+    """Split rows over ranks so each gets about the same number of tokens (longest first, to the lightest)."""
+    shards: list[list[TrainRow]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for row in sorted(rows, key=lambda r: (-r.num_tokens, r.index)):
+        target = min(range(world_size), key=lambda i: (load[i], i))
+        shards[target].append(row)
+        load[target] += row.num_tokens
+    return shards
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The engine
+
+# loss_fn(micro_batch, new_logprobs [K], entropy [K]) -> (weighted loss sum, {stat name: summed value tensor})
+LossFn = Callable[[MicroBatch, torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did, summed over micro-batches and ranks (identical on every rank)."""
+
+    loss: float
+    grad_norm: float
+    stats: dict[str, float]
+    row_tokens: int  # unpadded tokens processed, all ranks
+    target_tokens: int
+    micro_batches: int  # per rank, padding included
+    padding_micro_batches: int  # empty passes that kept short ranks in step, all ranks
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.row_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def deepspeed_config(settings: EngineSettings, world_size: int, bf16: bool) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": settings.zero_stage}
+    if settings.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if settings.offload_parameters:
+        zero["offload_param"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        # step() is the accumulation boundary, so a step may have any number of micro-batches.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": settings.gradient_clip,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": settings.lr,
+                "betas": list(settings.betas),
+                "eps": settings.eps,
+                "weight_decay": settings.weight_decay,
+                "torch_adam": True,  # no JIT-compiled fused kernel; works on CPU and GPU alike
+            },
+        },
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class PolicyEngine:
+    """A causal LM wrapped by DeepSpeed. Every rank builds one, collectively, with the same arguments."""
+
+    def __init__(self, model_dir: str | Path, settings: EngineSettings, dist: DistInfo | None = None) -> None:
+        import deepspeed
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.settings = settings
+        self.dist = dist or init_distributed()
+        self.model_dir = Path(model_dir)
+        on_accel = self.dist.device.type != "cpu"
+        self.bf16 = settings.dtype == "bfloat16" or (settings.dtype == "auto" and on_accel)
+        torch.manual_seed(settings.seed)  # same LoRA init everywhere (DeepSpeed also broadcasts rank 0's)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        model = AutoModelForCausalLM.from_pretrained(
+            self.model_dir, dtype=torch.bfloat16 if self.bf16 else torch.float32
+        )
+        model.config.use_cache = False
+        if settings.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if settings.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            lora = settings.lora
+            model = get_peft_model(model, LoraConfig(
+                r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
+            ))
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.ds_config = deepspeed_config(settings, self.dist.world_size, self.bf16)
+        with _launcher_env(self.dist):
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=self.ds_config)
+        self.engine.train()
+
+    # -- model access ------------------------------------------------------------------------------------------
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def is_lora(self) -> bool:
+        return self.settings.lora is not None
+
+    def _causal_lm(self) -> torch.nn.Module:
+        module = self.module
+        return module.get_base_model() if hasattr(module, "get_base_model") else module
+
+    # -- log-probs ---------------------------------------------------------------------------------------------
+
+    def token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs (with grad) and entropies (without) of the micro-batch's generated tokens, in fp32."""
+        lm = self._causal_lm()
+        hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+        selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.target_pos)
+        head = lm.get_output_embeddings()
+        logps, entropies = [], []
+        for start in range(0, selected.shape[0], LOGPROB_CHUNK_TOKENS):
+            chunk = selected[start:start + LOGPROB_CHUNK_TOKENS]
+            targets = mb.targets[start:start + LOGPROB_CHUNK_TOKENS]
+            if torch.is_grad_enabled() and chunk.requires_grad:
+                logp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, chunk, targets, use_reentrant=False)
+            else:
+                logp, ent = _chunk_logprobs(head, chunk, targets)
+            logps.append(logp)
+            entropies.append(ent)
+        return torch.cat(logps), torch.cat(entropies).detach()
+
+    @torch.no_grad()
+    def score(self, rows: Sequence[TrainRow]) -> list[np.ndarray]:
+        """Per-row log-probs of each row's generated tokens under the current weights (no gradient)."""
+        out: dict[int, np.ndarray] = {}
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            for group in plan_micro_batches(rows, self.settings.micro_batch_tokens):
+                mb = collate(group, self.pad_id).to(self.dist.device)
+                logp, _ = self.token_logprobs(mb)
+                owner = mb.token_row.cpu().numpy()
+                values = logp.float().cpu().numpy()
+                for row in group:
+                    out[row.index] = values[owner == row.index]
+        finally:
+            self.module.train(was_training)
+        return [out[r.index] for r in rows]
+
+    # -- one step ----------------------------------------------------------------------------------------------
+
+    def train_step(self, rows: Sequence[TrainRow], loss_fn: LossFn) -> StepResult:
+        """One optimizer update over this rank's rows; collective: every rank calls it once per step."""
+        started = time.perf_counter()
+        plan = [collate(group, self.pad_id) for group in plan_micro_batches(rows, self.settings.micro_batch_tokens)]
+        count = torch.tensor([len(plan)], dtype=torch.long)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        padding = int(count.item()) - len(plan)
+        plan += [padding_micro_batch(self.pad_id) for _ in range(padding)]
+        scale = float(self.dist.world_size)  # undo DeepSpeed's average over ranks: we want the sum
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        stat_sums: dict[str, torch.Tensor] = {}
+        row_tokens = target_tokens = 0
+        for mb in plan:
+            mb = mb.to(self.dist.device)
+            logp, entropy = self.token_logprobs(mb)
+            loss, stats = loss_fn(mb, logp, entropy)
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            loss_sum += loss.detach().double().cpu()
+            for name, value in stats.items():
+                stat_sums[name] = stat_sums.get(name, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
+            if not mb.padding:
+                row_tokens += mb.row_tokens
+                target_tokens += mb.num_targets
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        names = sorted(stat_sums)
+        counts = [float(row_tokens), float(target_tokens), float(padding)]
+        packed = torch.stack([loss_sum, *[torch.tensor(c, dtype=torch.float64) for c in counts],
+                              *[stat_sums[n] for n in names]])
+        torch.distributed.all_reduce(packed)  # sums over ranks; every rank must return the same stat names
+        values = packed.tolist()
+        return StepResult(
+            loss=values[0],
+            grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
+            stats=dict(zip(names, values[4:])),
+            row_tokens=int(values[1]),
+            target_tokens=int(values[2]),
+            micro_batches=len(plan),
+            padding_micro_batches=int(values[3]),
+            seconds=time.perf_counter() - started,
+        )
+
+    # -- state -------------------------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The weights to publish, on rank 0 (None elsewhere); collective under ZeRO-3, which must gather."""
+        if self.settings.zero_stage == 3:
+            state = self.engine._zero3_consolidated_16bit_state_dict()
+            return state if self.dist.is_main else None
+        if not self.dist.is_main:
+            return None
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+    def save_pretrained(self, path: Path) -> None:
+        """Write what vLLM loads: full HF weights + config + tokenizer, or the LoRA adapter. Collective."""
+        state = self.full_state_dict()
+        if self.dist.is_main:
+            self.module.save_pretrained(path, state_dict=state, safe_serialization=True)  # peft: the adapter only
+            if not self.is_lora:
+                self.tokenizer.save_pretrained(path)
+        torch.distributed.barrier()
+
+    def save_engine_state(self, root: Path, tag: str) -> None:
+        """Optimizer and engine state for resume (every rank writes its shard). Collective."""
+        self.engine.save_checkpoint(str(root), tag=tag, save_latest=False,
+                                    exclude_frozen_parameters=self.is_lora)
+
+    def load_engine_state(self, root: Path, tag: str) -> None:
+        """Restore weights + optimizer saved by :meth:`save_engine_state`. Collective."""
+        path, _ = self.engine.load_checkpoint(str(root), tag=tag, load_module_strict=not self.is_lora,
+                                              load_optimizer_states=True, load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {root}")
+
+    def load_published(self, path: Path) -> None:
+        """Load weights written by :meth:`save_pretrained` (no optimizer state). Every rank reads them."""
+        from safetensors.torch import load_file
+
+        if self.settings.zero_stage == 3:
+            raise ValueError(f"cannot resume ZeRO-3 from published weights alone ({path}); keep the engine state "
+                             "(keep_engine_states >= 1) or resume with zero_stage 1 or 2")
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(file))
+        if not state:
+            raise FileNotFoundError(f"{path} has no .safetensors files")
+        if self.is_lora:
+            from peft import set_peft_model_state_dict
+
+            result = set_peft_model_state_dict(self.module, state)
+            unexpected = list(result.unexpected_keys)
+            missing: list[str] = []
+        else:
+            result = self.module.load_state_dict(state, strict=False)
+            unexpected = list(result.unexpected_keys)
+            missing = [n for n, p in self.module.named_parameters() if p.requires_grad and n in result.missing_keys]
+        if unexpected or missing:
+            raise ValueError(f"{path} does not match the model: unexpected {sorted(unexpected)[:5]}, "
+                             f"missing {sorted(missing)[:5]}")
+        refresh = getattr(self.engine.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:  # ZeRO keeps fp32 master copies; they must follow the loaded weights
+            refresh()
+        torch.distributed.barrier()
+
+
+@contextlib.contextmanager
+def _launcher_env(dist: DistInfo) -> Iterator[None]:
+    """DeepSpeed's initialize insists on LOCAL_RANK in the environment; a world of one sets it only meanwhile."""
+    if "LOCAL_RANK" in os.environ:
+        yield
+        return
+    os.environ["LOCAL_RANK"] = str(dist.local_rank)
+    try:
+        yield
+    finally:
+        os.environ.pop("LOCAL_RANK", None)
+
+
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = head(hidden).float()
+    logz = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)
+    return logp, entropy

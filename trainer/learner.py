@@ -1,0 +1,447 @@
+"""The learner's step loop: claim -> rows -> advantages -> micro-batches -> train -> save -> commit -> sync.
+
+Rank 0 talks to the store (claims, reads calls, commits) and to the rollout side (weight sync); it builds the
+step batch and hands each rank its share of the rows. Every rank trains on its share and writes its part of
+the checkpoint. What makes a crash at any point safe:
+
+* a step counts only once :meth:`LearnerLedger.commit` wrote, in one transaction, the new policy version, the
+  step record and the consumed marks of its rollouts;
+* on start the learner takes the highest committed version from the store, discards newer checkpoint
+  directories (written by a learner killed between save and commit), restores weights and optimizer state of
+  that version and redoes the next step. Its rollouts are still unconsumed, so none is trained on twice and
+  the version sequence has no gap;
+* a committed version that was not yet synced (killed between commit and sync) is synced on start.
+
+Step ``n`` produces policy version ``n``; version 0 is the base model. A step whose rollouts give no trainable
+token (all groups had equal rewards, say) still consumes them and writes a version with unchanged weights,
+so the invariant holds and the rollouts are not claimed again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from harnessrl.store import TraceStore
+from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
+from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
+from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
+from harnessrl.trainer.engine import EngineSettings, MicroBatch, PolicyEngine, TrainRow, shard_rows
+from harnessrl.trainer.losses import LossConfig, aggregation_weights, policy_loss
+from harnessrl.trainer.metrics import LearnerMetrics
+from harnessrl.trainer.rows import Row, RowMode, RowStats, merge_calls_into_rows
+from harnessrl.trainer.weight_sync import ProxyAdminGate, SyncReport, VllmReplica, WeightSync
+
+log = logging.getLogger(__name__)
+
+# losses.policy_loss reports these as sums over the micro-batch; every other metric is a mean over its tokens
+_SUMMED_LOSS_METRICS = frozenset({"loss", "pg_loss", "kl_loss", "tokens"})
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """Everything the learner loop needs; the TrainingRun's ``learner`` section maps onto it (``from_spec``)."""
+
+    run: str
+    model_dir: Path
+    output_dir: Path
+    steps: int = 100  # total steps of the run: a resumed learner stops at the same step
+    tasks_per_step: int = 8
+    group_size: int = 8
+    row_mode: RowMode = "merge"
+    max_prompt_tokens: int | None = None
+    max_row_tokens: int | None = None
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    # "learner": ratios against the learner's own log-probs before the update (one update per batch, so they
+    # come from the same forward pass) and truncated IS against the rollout log-probs; "rollout": ratios
+    # directly against the rollout log-probs (clipping then also bounds staleness and engine mismatch).
+    ratio_against: Literal["learner", "rollout"] = "learner"
+    keep_checkpoints: int = 3
+    replicas: tuple[str, ...] = ()  # vLLM base URLs
+    proxies: tuple[str, ...] = ()  # proxy base URLs (admin API)
+    lora_name: str = "policy"  # the adapter name harnesses ask for when LoRA is on
+    pause_mode: Literal["wait", "reject"] = "wait"
+    drain_timeout_s: float = 30.0
+    sync_tries: int = 3
+    sync_backoff_s: float = 1.0
+    poll_interval_s: float = 2.0
+    wait_timeout_s: float | None = None  # stop when no step's worth of rollouts arrives for this long
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "tasks_per_step", "group_size", "keep_checkpoints", "sync_tries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.ratio_against not in ("learner", "rollout"):
+            raise ValueError(f"ratio_against: {self.ratio_against!r}; use 'learner' or 'rollout'")
+
+    @classmethod
+    def from_spec(cls, spec: Any, *, run: str, model_dir: Path, output_dir: Path, **overrides: Any) -> LearnerSettings:
+        """Settings from a TrainingRun's spec (``harnessrl.spec.models.TrainingRunSpec``); ``overrides`` win."""
+        from harnessrl.trainer.engine import LoraSettings
+
+        learner = spec.learner
+        algorithm = learner.algorithm
+        lora = learner.lora
+        use_lora = spec.weight_sync.method == "lora"
+        engine = EngineSettings(
+            zero_stage=learner.deepspeed.zero_stage,
+            lr=algorithm.lr,
+            gradient_clip=learner.gradient_clip,
+            micro_batch_tokens=learner.micro_batch_tokens,
+            gradient_checkpointing=learner.gradient_checkpointing,
+            lora=LoraSettings(rank=lora.rank, alpha=lora.alpha, target_modules=tuple(lora.target_modules))
+            if use_lora and lora is not None else None,
+            offload_optimizer=learner.deepspeed.offload.optimizer == "cpu",
+            offload_parameters=learner.deepspeed.offload.parameters == "cpu",
+        )
+        loss = LossConfig.from_spec(algorithm, max_row_tokens=learner.rows.max_row_tokens)
+        if algorithm.tis_cap == 0:
+            loss = replace(loss, tis_cap=None)
+        values: dict[str, Any] = {
+            "run": run, "model_dir": Path(model_dir), "output_dir": Path(output_dir), "steps": learner.steps,
+            "tasks_per_step": learner.tasks_per_step, "group_size": spec.harness.group_size,
+            "row_mode": learner.rows.mode, "max_prompt_tokens": learner.rows.max_prompt_tokens,
+            "max_row_tokens": learner.rows.max_row_tokens, "engine": engine,
+            "advantage": AdvantageConfig.from_spec(learner), "loss": loss,
+            "keep_checkpoints": learner.keep_checkpoints, "pause_mode": spec.proxy.pause.mode,
+            "sync_tries": spec.weight_sync.retries + 1,
+        }
+        return cls(**(values | overrides))
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    version: int
+    metrics: dict[str, Any]
+    synced: bool
+
+
+@dataclass
+class LearnerHooks:
+    """Callbacks at the points a crash matters (tests kill the process there; a runner may log)."""
+
+    after_save: Callable[[int], None] | None = None
+    after_commit: Callable[[int], None] | None = None
+
+
+@dataclass
+class _Plan:
+    """What rank 0 sends every rank for one step."""
+
+    step: int
+    rows: list[TrainRow]
+    empty: bool
+
+
+class Learner:
+    """Runs steps until ``settings.steps`` are committed. Every rank constructs one; only rank 0 gets a store."""
+
+    def __init__(self, settings: LearnerSettings, engine: PolicyEngine, store: TraceStore | None = None,
+                 sync: WeightSync | None = None, metrics: LearnerMetrics | None = None,
+                 hooks: LearnerHooks | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.dist = engine.dist
+        self.main = self.dist.is_main
+        if self.main and store is None:
+            raise ValueError("rank 0 needs the store (pass store=TraceStore.connect(url))")
+        self.ledger = LearnerLedger(store, settings.run) if self.main and store is not None else None
+        self.ckpt = CheckpointDir(settings.output_dir, keep_last=settings.keep_checkpoints)
+        self.metrics = metrics or LearnerMetrics()
+        self.hooks = hooks or LearnerHooks()
+        self.sync = sync if sync is not None else (default_weight_sync(settings) if self.main else None)
+        self.version = 0
+        self.restored = "base"
+
+    # -- start -------------------------------------------------------------------------------------------------
+
+    def resume(self) -> int:
+        """Find the committed version, clean up after a crash, restore it; collective. Returns the version."""
+        committed = [0]
+        if self.main:
+            assert self.ledger is not None
+            if self.ledger.version(0) is None:
+                base_path = self._write_initial_adapter() if self.engine.is_lora else self.settings.model_dir
+                self.ledger.ensure_base_version(str(base_path), synced=not self.engine.is_lora)
+            committed[0] = self.ledger.committed_version()
+            removed = self.ckpt.discard_after(committed[0])
+            if removed:
+                log.warning("discarded uncommitted checkpoint files: %s", [str(p) for p in removed])
+        torch.distributed.broadcast_object_list(committed, src=0)
+        self.version = int(committed[0])
+        self.restored = restore_checkpoint(self.engine, self.ckpt, self.version)
+        if self.restored == "weights-only":
+            log.warning("version %d has no engine state: weights restored, optimizer state starts fresh", self.version)
+        if self.main:
+            assert self.ledger is not None
+            info = self.ledger.version(self.version)
+            if info is not None and not info.synced:
+                self._sync(self.version, Path(info.checkpoint_path))
+        torch.distributed.barrier()
+        return self.version
+
+    def _write_initial_adapter(self) -> Path:
+        """LoRA: version 0 is the freshly initialised adapter (B = 0, so it equals the base model)."""
+        return self.ckpt.write_version(0, lambda tmp: self.engine.module.save_pretrained(tmp, safe_serialization=True))
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+
+    def run(self) -> list[StepOutcome]:
+        """Resume, then step until the run's last step is committed or rollouts stop coming (wait_timeout_s)."""
+        if self.main and self.settings.metrics_port is not None:
+            self.metrics.serve(self.settings.metrics_port)
+        self.resume()
+        outcomes: list[StepOutcome] = []
+        while self.version < self.settings.steps:
+            outcome = self.step()
+            if outcome is None:
+                break
+            outcomes.append(outcome)
+        return outcomes
+
+    def step(self) -> StepOutcome | None:
+        """One step (collective). None when no claim arrived within ``wait_timeout_s``."""
+        step = self.version + 1
+        started = time.perf_counter()
+        claim = self._wait_for_claim()
+        if claim is None:
+            return None
+        payload: list[Any] = [None] * self.dist.world_size
+        info: dict[str, Any] = {}
+        if self.main:
+            assert claim is not None
+            plan_rows, info = self._build_batch(claim)
+            shards = shard_rows(plan_rows, self.dist.world_size)
+            payload = [_Plan(step, shard, not plan_rows) for shard in shards]
+        mine: list[Any] = [None]
+        torch.distributed.scatter_object_list(mine, payload if self.main else None, src=0)
+        plan: _Plan = mine[0]
+
+        train_started = time.perf_counter()
+        if plan.empty:
+            result = None
+        else:
+            result = self.engine.train_step(plan.rows, self._loss_fn)
+        train_seconds = time.perf_counter() - train_started
+
+        save_started = time.perf_counter()
+        path = save_checkpoint(self.engine, self.ckpt, step)
+        save_seconds = time.perf_counter() - save_started
+        if self.hooks.after_save:
+            self.hooks.after_save(step)
+
+        status: list[Any] = [None]
+        metrics: dict[str, Any] = {}
+        if self.main:
+            assert self.ledger is not None and claim is not None
+            metrics = _step_metrics(step, info, result, train_seconds, save_seconds)
+            metrics["step_seconds"] = time.perf_counter() - started
+            try:
+                self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys)
+            except CommitRefused as exc:
+                self.metrics.commit_refusals.inc()
+                status[0] = str(exc)
+            else:
+                self.metrics.observe_step(metrics)
+        torch.distributed.broadcast_object_list(status, src=0)
+        if status[0] is not None:
+            raise CommitRefused(status[0])
+        self.version = step
+        if self.hooks.after_commit:
+            self.hooks.after_commit(step)
+
+        synced = False
+        if self.main:
+            self.ckpt.prune(step)
+            synced = self._sync(step, path).ok
+            metrics["synced"] = synced
+        torch.distributed.barrier()
+        return StepOutcome(step, step, metrics, synced)
+
+    # -- rank 0 ------------------------------------------------------------------------------------------------
+
+    def _wait_for_claim(self) -> StepClaim | None:
+        """Poll the store on rank 0; every poll is one broadcast, so other ranks never hit a collective timeout."""
+        deadline = None if self.settings.wait_timeout_s is None else time.monotonic() + self.settings.wait_timeout_s
+        while True:
+            claim: StepClaim | None = None
+            box: list[str] = ["wait"]
+            if self.main:
+                assert self.ledger is not None
+                claim = self.ledger.claim(self.settings.tasks_per_step, self.settings.group_size)
+                if claim is not None:
+                    box[0] = "go"
+                elif deadline is not None and time.monotonic() >= deadline:
+                    box[0] = "stop"
+            torch.distributed.broadcast_object_list(box, src=0)
+            if box[0] == "stop":
+                return None
+            if box[0] == "go":  # other ranks get their rows from rank 0, not the claim
+                return claim if self.main else StepClaim((), ())
+            time.sleep(self.settings.poll_interval_s)
+
+    def _build_batch(self, claim: StepClaim) -> tuple[list[TrainRow], dict[str, Any]]:
+        """Rows of the claimed attempts with advantages and step-global loss weights (rank 0)."""
+        store = self.ledger.store if self.ledger else None
+        assert store is not None
+        s = self.settings
+        row_stats = RowStats()
+        rows_by_key: dict[tuple[str, int], list[Row]] = {}
+        outcomes: list[RolloutOutcome] = []
+        for attempt in claim.attempts:
+            calls = store.rollout_calls(attempt.rollout_id, attempt.attempt)
+            built = merge_calls_into_rows(calls, mode=s.row_mode, max_prompt_tokens=s.max_prompt_tokens,
+                                          max_row_tokens=s.max_row_tokens)
+            row_stats.add(built.stats)
+            rows_by_key[attempt.key] = built.rows
+            versions = [r.min_policy_version for r in built.rows]
+            oldest = min(versions) if versions else (attempt.policy_version_start
+                                                    if attempt.policy_version_start is not None else self.version)
+            outcomes.append(RolloutOutcome(attempt.rollout_id, attempt.attempt, attempt.task_id, attempt.state,
+                                           attempt.reward, oldest))
+        adv = compute_advantages(outcomes, s.advantage, current_version=self.version)
+        kept: list[Row] = []
+        values: list[float] = []
+        for key, rows in rows_by_key.items():
+            if key in adv.advantages:
+                for row in rows:
+                    if row.num_generated:
+                        kept.append(row)
+                        values.append(adv.advantages[key])
+        weights = self._weights(kept)
+        train_rows = [
+            TrainRow(
+                index=i, key=(row.rollout_id, row.attempt), input_ids=row.input_ids, loss_mask=row.loss_mask,
+                rollout_logprobs=row.rollout_logprobs,
+                advantages=row.loss_mask.astype(np.float32) * np.float32(value), weights=w,
+            )
+            for i, (row, value, w) in enumerate(zip(kept, values, weights))
+        ]
+        trained_rollouts = len({r.key for r in train_rows})
+        info: dict[str, Any] = {
+            "tasks": len(claim.tasks),
+            "rollouts": len(claim.attempts),
+            "trained_rollouts": trained_rollouts,
+            "trained_rows": len(train_rows),
+            "rows_per_rollout": len(train_rows) / trained_rollouts if trained_rollouts else math.nan,
+            **row_stats.as_metrics(),
+            **adv.stats.as_metrics(),
+        }
+        return train_rows, info
+
+    def _weights(self, rows: Sequence[Row]) -> list[np.ndarray]:
+        """Each token's share of the step loss, from ``losses.aggregation_weights`` over the whole step batch.
+
+        Adapter: the losses module computes weights for one padded ``[rows, tokens]`` batch; computing them
+        once for the step batch and carrying them with the rows makes micro-batch and rank sums exact.
+        """
+        if not rows:
+            return []
+        length = max(r.num_tokens for r in rows)
+        mask = torch.zeros((len(rows), length), dtype=torch.int8)
+        for i, row in enumerate(rows):
+            mask[i, : row.num_tokens] = torch.tensor(row.loss_mask)
+        index: dict[tuple[str, int], int] = {}
+        rollout = torch.tensor([index.setdefault((r.rollout_id, r.attempt), len(index)) for r in rows])
+        weights = aggregation_weights(mask, rollout, self.settings.loss.aggregation,
+                                      sum_norm_tokens=self.settings.loss.sum_norm_tokens)
+        return [weights[i, : row.num_tokens].numpy().astype(np.float32) for i, row in enumerate(rows)]
+
+    def _sync(self, version: int, path: Path) -> SyncReport:
+        assert self.sync is not None and self.ledger is not None
+        report = self.sync.sync(version, path)
+        self.metrics.observe_sync(version, report.ok, report.seconds)
+        if report.ok:
+            self.ledger.mark_synced(version)
+        return report
+
+    # -- every rank --------------------------------------------------------------------------------------------
+
+    def _loss_fn(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """policy_loss on the micro-batch's flattened generated tokens, plus sums for step-level metrics."""
+        mask = torch.ones_like(mb.weights) if not mb.padding else torch.zeros_like(mb.weights)
+        old = logp.detach() if self.settings.ratio_against == "learner" else None
+        # The spec's KL term is against the rollout policy, so the rollout log-probs are the reference; with
+        # kl_coef 0 it is only measured (kl_ref).
+        out = policy_loss(logp, mb.rollout_logprobs, mb.advantages, mask, mb.token_row, self.settings.loss,
+                          old_logprobs=old, ref_logprobs=mb.rollout_logprobs, entropy=entropy, weights=mb.weights)
+        tokens = float(mask.sum())
+        sums: dict[str, torch.Tensor] = {}
+        for name, value in out.metrics.items():
+            total = value if name in _SUMMED_LOSS_METRICS else value * tokens
+            sums[f"m_{name}"] = torch.tensor(total, dtype=torch.float64)
+        # agreement between the serving engine's log-probs and ours, on the same tokens
+        x = mb.rollout_logprobs.double() * mask
+        y = logp.detach().double() * mask
+        sums.update(
+            lp_n=mask.double().sum(), lp_x=x.sum(), lp_y=y.sum(), lp_xx=(x * x).sum(), lp_yy=(y * y).sum(),
+            lp_xy=(x * y).sum(), lp_abs=(x - y).abs().sum(),
+        )
+        return out.loss, sums
+
+
+def _step_metrics(step: int, info: dict[str, Any], result: Any, train_seconds: float,
+                  save_seconds: float) -> dict[str, Any]:
+    metrics: dict[str, Any] = {"step": step, "policy_version": step, **info,
+                               "train_seconds": train_seconds, "checkpoint_seconds": save_seconds}
+    if result is None:
+        metrics.update(empty_step=1, trained_tokens=0)
+        return metrics
+    stats = result.stats
+    tokens = stats.get("m_tokens", 0.0)
+    for name, value in stats.items():
+        if name.startswith("m_"):
+            key = name[2:]
+            metrics[key] = value if key in _SUMMED_LOSS_METRICS else (value / tokens if tokens else math.nan)
+    n = stats.get("lp_n", 0.0)
+    if n:
+        mx, my = stats["lp_x"] / n, stats["lp_y"] / n
+        vx = stats["lp_xx"] / n - mx * mx
+        vy = stats["lp_yy"] / n - my * my
+        cov = stats["lp_xy"] / n - mx * my
+        metrics["logprob_abs_diff"] = stats["lp_abs"] / n
+        metrics["logprob_pearson"] = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+    metrics.update(
+        empty_step=0,
+        grad_norm=result.grad_norm,
+        trained_tokens=result.row_tokens,
+        trained_target_tokens=result.target_tokens,
+        micro_batches=result.micro_batches,
+        padding_micro_batches=result.padding_micro_batches,
+        tokens_per_second=result.tokens_per_second,
+    )
+    return metrics
+
+
+def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf are not JSON: store them as null."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            out[key] = None
+        elif isinstance(value, np.generic):
+            out[key] = value.item()
+        else:
+            out[key] = value
+    return out
+
+
+def default_weight_sync(settings: LearnerSettings) -> WeightSync:
+    lora = settings.lora_name if settings.engine.lora is not None else None
+    replicas = [VllmReplica(url, lora_name=lora) for url in settings.replicas]
+    gate = ProxyAdminGate(settings.proxies, mode=settings.pause_mode, drain_timeout_s=settings.drain_timeout_s) \
+        if settings.proxies else None
+    return WeightSync(replicas, gate, tries=settings.sync_tries, backoff_s=settings.sync_backoff_s)

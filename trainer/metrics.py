@@ -1,0 +1,119 @@
+"""Prometheus metrics of the learner (``harnessrl_learner_*``) in a registry of its own.
+
+A registry of its own, so a test or the local runner can hold several learners (or a learner next to a proxy)
+in one process without name clashes, and so exposition shows only learner metrics. The step record in the
+store carries the same numbers (and more) as JSON; these are for dashboards and alerts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "harnessrl_learner_"
+
+# step-metric name -> help text; each becomes a gauge harnessrl_learner_<name>
+GAUGES: dict[str, str] = {
+    "step": "Last committed learner step.",
+    "policy_version": "Policy version produced by the last committed step.",
+    "synced_version": "Newest policy version every rollout replica serves.",
+    "loss": "Step loss (weighted sum over the step batch).",
+    "pg_loss": "Policy-gradient part of the step loss.",
+    "reward_mean": "Mean reward of the step's rollouts that reached a group.",
+    "reward_std": "Standard deviation of those rewards.",
+    "advantage_mean": "Mean advantage over trained rollouts.",
+    "advantage_std": "Standard deviation of advantages over trained rollouts.",
+    "advantage_abs_mean": "Mean absolute advantage over trained rollouts.",
+    "clip_frac_low": "Fraction of generated tokens clipped at the lower ratio bound.",
+    "clip_frac_high": "Fraction of generated tokens clipped at the upper ratio bound.",
+    "ratio_mean": "Mean importance ratio over generated tokens.",
+    "approx_kl": "k3 estimate of KL(old || new) per generated token.",
+    "kl_ref": "k3 estimate of KL to the reference per generated token (when a reference is used).",
+    "entropy": "Mean entropy of the learner's next-token distribution on generated tokens.",
+    "tis_weight_mean": "Mean truncated importance-sampling weight (learner vs serving engine).",
+    "tis_capped_frac": "Fraction of tokens whose importance-sampling weight hit the cap.",
+    "grad_norm": "Global gradient norm before clipping.",
+    "tokens_per_second": "Row tokens (prompt and generated) trained per second in the step's train phase.",
+    "rows_per_rollout": "Training rows per trained rollout (1 when every trajectory merged into one row).",
+    "staleness_mean": "Mean policy-version lag of the step's rollouts.",
+    "staleness_max": "Largest policy-version lag of the step's rollouts.",
+    "logprob_abs_diff": "Mean |rollout log-prob - learner log-prob| on the same generated tokens.",
+    "logprob_pearson": "Pearson correlation of rollout and learner log-probs on the same generated tokens.",
+    "step_seconds": "Wall time of the last step, claim to commit.",
+    "train_seconds": "Wall time of the last step's forward/backward/optimizer phase.",
+    "checkpoint_seconds": "Wall time of the last checkpoint save.",
+    "sync_seconds": "Wall time of the last weight sync.",
+}
+
+# step-metric name -> (counter name, help); increased by the step's value
+COUNTERS: dict[str, tuple[str, str]] = {
+    "rollouts": ("rollouts_consumed", "Rollout attempts consumed by committed steps."),
+    "rows": ("rows", "Training rows built."),
+    "row_tokens": ("row_tokens", "Row tokens built (each token once per row)."),
+    "generated_tokens": ("generated_tokens", "Generated (trained) tokens in the built rows."),
+    "trained_tokens": ("trained_tokens", "Row tokens that went through forward/backward."),
+    "zero_variance_groups": ("zero_variance_groups", "Task groups whose rewards were all equal (no gradient)."),
+}
+
+# labelled counters: prefix of step-metric names -> (counter name, label, help)
+LABELLED: dict[str, tuple[str, str, str]] = {
+    "split_": ("row_splits", "reason", "Places where a call could not extend the row and a new row started."),
+    "dropped_": ("calls_dropped", "reason", "Calls that contributed no trained tokens."),
+    "excluded_": ("rollouts_excluded", "reason", "Rollouts that got no advantage."),
+}
+
+
+class LearnerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.gauges = {name: Gauge(PREFIX + name, text, registry=self.registry) for name, text in GAUGES.items()}
+        self.counters = {
+            key: Counter(PREFIX + name, text, registry=self.registry) for key, (name, text) in COUNTERS.items()
+        }
+        self.labelled = {
+            prefix: Counter(PREFIX + name, text, [label], registry=self.registry)
+            for prefix, (name, label, text) in LABELLED.items()
+        }
+        self.steps = Counter(PREFIX + "steps", "Committed learner steps.", registry=self.registry)
+        self.sync_failures = Counter(PREFIX + "sync_failures", "Weight syncs that left a replica behind.",
+                                     registry=self.registry)
+        self.commit_refusals = Counter(PREFIX + "commit_refusals", "Step commits the store refused.",
+                                       registry=self.registry)
+
+    def observe_step(self, metrics: Mapping[str, Any]) -> None:
+        """Record a committed step's metrics (the same dict that goes into the store's step record)."""
+        self.steps.inc()
+        for name, gauge in self.gauges.items():
+            value = metrics.get(name)
+            if _is_number(value):
+                gauge.set(float(value))
+        for key, counter in self.counters.items():
+            value = metrics.get(key)
+            if _is_number(value) and value > 0:
+                counter.inc(float(value))
+        for name, value in metrics.items():
+            for prefix, counter in self.labelled.items():
+                if name.startswith(prefix) and _is_number(value) and value > 0:
+                    counter.labels(name[len(prefix):]).inc(float(value))
+
+    def observe_sync(self, version: int, ok: bool, seconds: float) -> None:
+        self.gauges["sync_seconds"].set(seconds)
+        if ok:
+            self.gauges["synced_version"].set(version)
+        else:
+            self.sync_failures.inc()
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Expose ``/metrics`` on ``port`` (a daemon thread; rank 0 only)."""
+        start_http_server(port, addr=addr, registry=self.registry)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
