@@ -88,7 +88,11 @@ def test_a_few_steps_raise_rewarded_completions_and_lower_the_others(tiny: Path,
     # Rollouts were sampled from these very weights: learner and sampler log-probs agree.
     assert first["logprob_abs_diff"] < 1e-4 and first["logprob_pearson"] > 0.9999
     # Step 2 trains on the same samples with updated weights: the metric sees the drift (staleness 1).
-    assert outcomes[1].metrics["logprob_abs_diff"] > 1e-3 and outcomes[1].metrics["staleness_max"] == 1
+    # Step 2 trains on rollouts of version 0 with version-1 weights: no token is on-policy, so no agreement is
+    # claimed (stale tokens differ by design); the drift shows in the rollout/learner gap instead.
+    assert "logprob_abs_diff" not in outcomes[1].metrics and outcomes[1].metrics["staleness_max"] == 1
+    if ratio_against == "learner":  # the gap between the learner's pre-update and the rollout log-probs
+        assert outcomes[1].metrics["old_rollout_abs_diff"] > 1e-3
 
     before = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     after = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "versions" / "v000003", dtype=torch.float32).eval()

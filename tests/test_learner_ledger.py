@@ -116,3 +116,18 @@ def test_base_version_is_recorded_once(store: TraceStore):
     ledger.ensure_base_version("/models/b")
     assert [(v.version, v.checkpoint_path, v.synced) for v in ledger.versions()] == [(0, "/models/a", True)]
     assert ledger.committed_version() == 0
+
+
+def test_a_failure_with_attempts_left_keeps_the_group_open(store: TraceStore, ledger: LearnerLedger):
+    make_group(store, "t", 2, state=RolloutState.FAILED)
+    assert ledger.claim(1, 2, max_attempts=2) is None  # the scheduler will retry both: not final yet
+    assert ledger.claim(1, 2, max_attempts=1) is not None  # no retries: the failures are the group's last word
+    again = store.new_attempt("t-0")
+    store.transition("t-0", again, RolloutState.RUNNING)
+    store.finish_attempt("t-0", again, RolloutState.TIMED_OUT, "Timeout")
+    store.new_attempt("t-1")
+    assert ledger.claim(1, 2, max_attempts=2) is None  # t-1's retry is still queued
+    store.transition("t-1", 1, RolloutState.RUNNING)
+    store.finish_attempt("t-1", 1, RolloutState.FAILED, "HarnessFailed: exit code 1")
+    claim = ledger.claim(1, 2, max_attempts=2)  # both used their last attempt
+    assert claim is not None and claim.keys == [("t-0", 1), ("t-1", 1)]

@@ -21,16 +21,46 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     return value
 
 
+# Flags that --spec replaces: the algorithm and engine settings come from the TrainingRun instead.
+SPEC_OWNED = ("tasks_per_step", "group_size", "lr", "zero_stage", "micro_batch_tokens", "gradient_clip",
+              "gradient_checkpointing", "lora_rank", "lora_alpha", "loss", "loss_aggregation", "advantage",
+              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints")
+
+
+def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **overrides: object):
+    """LearnerSettings from a TrainingRun file (the operator mounts the same file into the learner Job)."""
+    from harnessrl.spec.commands import validate_file
+    from harnessrl.spec.documents import is_other_object, load_documents
+    from harnessrl.spec.problems import parse_training_run
+    from harnessrl.trainer.learner import LearnerSettings
+
+    given = [name for name in SPEC_OWNED
+             if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise click.UsageError(f"{flags}: set in the TrainingRun's spec.learner when --spec is given, not as flags")
+    code, lines = validate_file(str(spec_file))
+    if code:
+        raise click.BadParameter("\n".join(lines), param_hint="--spec")
+    documents = [d for d in load_documents(spec_file.read_text()) if not is_other_object(d.data)]
+    training_run = parse_training_run(documents[0].data)
+    return LearnerSettings.from_spec(training_run.spec, run=run or training_run.metadata.name, **overrides)
+
+
 @click.command("learn")
+@click.option("--spec", "spec_file", type=click.Path(dir_okay=False, exists=True, path_type=Path),
+              help="TrainingRun YAML: the learner, algorithm and group settings come from it.")
 @click.option("--store", "store_url", required=True, envvar="HARNESSRL_STORE_URL",
               help="Trace store URL (sqlite:///PATH or postgresql+psycopg://...).")
-@click.option("--run", "run", required=True, envvar="HARNESSRL_RUN", help="TrainingRun name in the store.")
+@click.option("--run", "run", envvar="HARNESSRL_RUN",
+              help="TrainingRun name in the store (default with --spec: its metadata.name).")
 @click.option("--model", "model_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Base model directory (HF format: config, safetensors, tokenizer).")
 @click.option("--output", "output_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Checkpoint directory (shared with the vLLM replicas; versions/ and engine/ inside).")
-@click.option("--steps", default=100, show_default=True, type=click.IntRange(min=1),
-              help="Total steps of the run; a restarted learner stops at the same step.")
+@click.option("--steps", default=None, type=click.IntRange(min=1),
+              help="Total steps of the run; a restarted learner stops at the same step. "
+                   "[default: spec.learner.steps with --spec, else 100]")
 @click.option("--tasks-per-step", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--group-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="Rollouts per task; a task's group is trained once all of them finished.")
@@ -57,7 +87,9 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
               help="Stop when no step's worth of rollouts arrives for this many seconds (default: wait).")
 @click.option("--poll-interval", default=2.0, show_default=True, type=float, callback=_positive)
 @click.option("--metrics-port", default=None, type=click.IntRange(1, 65535), help="Serve /metrics (rank 0).")
-def learn_command(store_url: str, run: str, model_dir: Path, output_dir: Path, steps: int, tasks_per_step: int,
+@click.pass_context
+def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, run: str | None, model_dir: Path,
+                  output_dir: Path, steps: int | None, tasks_per_step: int,
                   group_size: int, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                   gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                   loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
@@ -68,21 +100,42 @@ def learn_command(store_url: str, run: str, model_dir: Path, output_dir: Path, s
     if not (model_dir / "config.json").is_file():
         raise click.BadParameter(f"{model_dir} has no config.json; pass a Hugging Face model directory",
                                  param_hint="--model")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    common = dict(model_dir=model_dir, output_dir=output_dir, replicas=replicas, proxies=proxies,
+                  wait_timeout_s=wait_timeout, poll_interval_s=poll_interval, metrics_port=metrics_port)
+    if spec_file is not None:
+        try:
+            settings = _settings_from_spec(ctx, spec_file, run, **common, **({"steps": steps} if steps else {}))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    elif run is None:
+        raise click.UsageError("give --run NAME (or --spec FILE, whose metadata.name is the run)")
+    else:
+        settings = _settings_from_flags(
+            run=run, steps=steps or 100, tasks_per_step=tasks_per_step, group_size=group_size, lr=lr,
+            zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens, gradient_clip=gradient_clip,
+            gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank, lora_alpha=lora_alpha, loss=loss,
+            loss_aggregation=loss_aggregation, advantage=advantage, max_staleness=max_staleness,
+            row_mode=row_mode, max_row_tokens=max_row_tokens, keep_checkpoints=keep_checkpoints, common=common)
+    _run_learner(settings, store_url)
+
+
+def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_size: int, lr: float,
+                         zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
+                         gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
+                         loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
+                         max_row_tokens: int | None, keep_checkpoints: int, common: dict):
+    from harnessrl.trainer.advantages import AdvantageConfig
+    from harnessrl.trainer.engine import EngineSettings, LoraSettings
+    from harnessrl.trainer.learner import LearnerSettings
+    from harnessrl.trainer.losses import LossConfig
+
     if loss_aggregation == "seq-mean-token-sum-norm" and max_row_tokens is None:
         raise click.BadParameter("seq-mean-token-sum-norm divides by the row limit; also pass --max-row-tokens",
                                  param_hint="--loss-aggregation")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    from harnessrl.store import StoreError, TraceStore
-    from harnessrl.store.learner_ledger import CommitRefused
-    from harnessrl.trainer.advantages import AdvantageConfig
-    from harnessrl.trainer.engine import EngineSettings, LoraSettings, PolicyEngine, init_distributed
-    from harnessrl.trainer.learner import Learner, LearnerSettings
-    from harnessrl.trainer.losses import LossConfig
-
     try:
-        settings = LearnerSettings(
-            run=run, model_dir=model_dir, output_dir=output_dir, steps=steps, tasks_per_step=tasks_per_step,
+        return LearnerSettings(
+            run=run, steps=steps, tasks_per_step=tasks_per_step,
             group_size=group_size, row_mode=row_mode, max_row_tokens=max_row_tokens,
             engine=EngineSettings(
                 zero_stage=zero_stage, lr=lr, gradient_clip=gradient_clip, micro_batch_tokens=micro_batch_tokens,
@@ -91,11 +144,17 @@ def learn_command(store_url: str, run: str, model_dir: Path, output_dir: Path, s
             ),
             advantage=AdvantageConfig(estimator=advantage, max_staleness=max_staleness),
             loss=LossConfig(loss=loss, aggregation=loss_aggregation, sum_norm_tokens=max_row_tokens),
-            keep_checkpoints=keep_checkpoints, replicas=replicas, proxies=proxies, wait_timeout_s=wait_timeout,
-            poll_interval_s=poll_interval, metrics_port=metrics_port,
+            keep_checkpoints=keep_checkpoints, **common,
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+
+
+def _run_learner(settings, store_url: str) -> None:
+    from harnessrl.store import StoreError, TraceStore
+    from harnessrl.store.learner_ledger import CommitRefused
+    from harnessrl.trainer.engine import PolicyEngine, init_distributed
+    from harnessrl.trainer.learner import Learner
 
     store = None
     if int(os.environ.get("RANK", "0")) == 0:  # before the slow engine start, so a wrong URL fails at once
@@ -105,7 +164,7 @@ def learn_command(store_url: str, run: str, model_dir: Path, output_dir: Path, s
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
     dist = init_distributed()
-    engine = PolicyEngine(model_dir, settings.engine, dist)
+    engine = PolicyEngine(settings.model_dir, settings.engine, dist)
     try:
         outcomes = Learner(settings, engine, store).run()
     except CommitRefused as exc:

@@ -56,6 +56,7 @@ class LearnerSettings:
     steps: int = 100  # total steps of the run: a resumed learner stops at the same step
     tasks_per_step: int = 8
     group_size: int = 8
+    max_attempts: int = 1  # the harness's attempts per rollout: a failure with attempts left is not final
     row_mode: RowMode = "merge"
     max_prompt_tokens: int | None = None
     max_row_tokens: int | None = None
@@ -111,6 +112,7 @@ class LearnerSettings:
         values: dict[str, Any] = {
             "run": run, "model_dir": Path(model_dir), "output_dir": Path(output_dir), "steps": learner.steps,
             "tasks_per_step": learner.tasks_per_step, "group_size": spec.harness.group_size,
+            "max_attempts": spec.harness.max_attempts,
             "row_mode": learner.rows.mode, "max_prompt_tokens": learner.rows.max_prompt_tokens,
             "max_row_tokens": learner.rows.max_row_tokens, "engine": engine,
             "advantage": AdvantageConfig.from_spec(learner), "loss": loss,
@@ -280,7 +282,8 @@ class Learner:
             box: list[str] = ["wait"]
             if self.main:
                 assert self.ledger is not None
-                claim = self.ledger.claim(self.settings.tasks_per_step, self.settings.group_size)
+                claim = self.ledger.claim(self.settings.tasks_per_step, self.settings.group_size,
+                                          self.settings.max_attempts)
                 if claim is not None:
                     box[0] = "go"
                 elif deadline is not None and time.monotonic() >= deadline:
@@ -326,6 +329,7 @@ class Learner:
                 index=i, key=(row.rollout_id, row.attempt), input_ids=row.input_ids, loss_mask=row.loss_mask,
                 rollout_logprobs=row.rollout_logprobs,
                 advantages=row.loss_mask.astype(np.float32) * np.float32(value), weights=w,
+                on_policy=self._on_policy(row),
             )
             for i, (row, value, w) in enumerate(zip(kept, values, weights))
         ]
@@ -340,6 +344,14 @@ class Learner:
             **adv.stats.as_metrics(),
         }
         return train_rows, info
+
+    def _on_policy(self, row: Row) -> np.ndarray:
+        """1 on the completion tokens the weights the learner holds now produced (see ``TrainRow.on_policy``)."""
+        fresh = np.zeros(row.num_tokens, dtype=np.int8)
+        for (start, end), version in zip(row.completion_spans, row.policy_versions, strict=True):
+            if version == self.version:
+                fresh[start:end] = 1
+        return fresh
 
     def _weights(self, rows: Sequence[Row]) -> list[np.ndarray]:
         """Each token's share of the step loss, from ``losses.aggregation_weights`` over the whole step batch.
@@ -383,11 +395,13 @@ class Learner:
         for name, value in out.metrics.items():
             total = value if name in _SUMMED_LOSS_METRICS else value * tokens
             sums[f"m_{name}"] = torch.tensor(total, dtype=torch.float64)
-        # agreement between the serving engine's log-probs and ours, on the same tokens
-        x = mb.rollout_logprobs.double() * mask
-        y = logp.detach().double() * mask
+        # Agreement between the serving engine's log-probs and ours on the same tokens, over the tokens the
+        # learner's current weights served (stale tokens differ by design, which says nothing about the engines).
+        on = mask * mb.on_policy
+        x = mb.rollout_logprobs.double() * on
+        y = logp.detach().double() * on
         sums.update(
-            lp_n=mask.double().sum(), lp_x=x.sum(), lp_y=y.sum(), lp_xx=(x * x).sum(), lp_yy=(y * y).sum(),
+            lp_n=on.double().sum(), lp_x=x.sum(), lp_y=y.sum(), lp_xx=(x * x).sum(), lp_yy=(y * y).sum(),
             lp_xy=(x * y).sum(), lp_abs=(x - y).abs().sum(),
         )
         return out.loss, sums
@@ -412,6 +426,7 @@ def _step_metrics(step: int, info: dict[str, Any], result: Any, train_seconds: f
         vx = stats["lp_xx"] / n - mx * mx
         vy = stats["lp_yy"] / n - my * my
         cov = stats["lp_xy"] / n - mx * my
+        metrics["logprob_tokens"] = n
         metrics["logprob_abs_diff"] = stats["lp_abs"] / n
         metrics["logprob_pearson"] = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
     metrics.update(

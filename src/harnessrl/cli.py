@@ -14,7 +14,10 @@ import click
 COMMANDS: dict[str, str] = {
     "crd": "harnessrl.spec.commands:crd_command",
     "db": "harnessrl.store.commands:db_group",
+    "learn": "harnessrl.trainer.commands:learn_command",
     "proxy": "harnessrl.proxy.commands:proxy_command",
+    "run": "harnessrl.local.commands:run_command",
+    "status": "harnessrl.local.commands:status_command",
     "tiny-model": "harnessrl.tiny_model:tiny_model_command",
     "validate": "harnessrl.spec.commands:validate_command",
 }

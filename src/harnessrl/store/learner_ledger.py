@@ -128,13 +128,15 @@ class LearnerLedger:
 
     # -- claiming ----------------------------------------------------------------------------------------------
 
-    def claim(self, tasks_per_step: int, group_size: int) -> StepClaim | None:
+    def claim(self, tasks_per_step: int, group_size: int, max_attempts: int = 1) -> StepClaim | None:
         """The oldest ``tasks_per_step`` complete task groups, or None while fewer are complete.
 
         A task's group is its rollouts whose latest attempt no step consumed yet; it is complete when it has
         at least ``group_size`` of them and every one is in a terminal state (succeeded, failed, timed out,
         cancelled: the advantage code decides which train). Groups are ordered by when their last member
         finished. Rollouts without a task (made by a standalone proxy) have no group and are never claimed.
+        A failed or timed-out attempt with attempts left (``attempt + 1 < max_attempts``) is not final: the
+        scheduler is about to queue its retry, and claiming the group now would train without it.
         """
         if tasks_per_step < 1 or group_size < 1:
             raise ValueError(f"tasks_per_step ({tasks_per_step}) and group_size ({group_size}) must be >= 1")
@@ -163,7 +165,7 @@ class LearnerLedger:
             groups[row.task_id].append(row)
         complete: list[tuple[Any, str, list[Any]]] = []
         for task_id, members in groups.items():
-            if len(members) >= group_size and all(m.state in TERMINAL_STATES for m in members):
+            if len(members) >= group_size and all(_final(m.state, m.attempt, max_attempts) for m in members):
                 done_at = max((m.finished_at or m.updated_at) for m in members)
                 complete.append((done_at, task_id, members))
         if len(complete) < tasks_per_step:
@@ -230,3 +232,11 @@ class LearnerLedger:
                 .order_by(RolloutAttempt.rollout_id, RolloutAttempt.attempt)
             ).all()
         return [(r.rollout_id, r.attempt) for r in rows]
+
+
+RETRIED_STATES = (RolloutState.FAILED.value, RolloutState.TIMED_OUT.value)
+
+
+def _final(state: str, attempt: int, max_attempts: int) -> bool:
+    """Whether an attempt is its rollout's last word: terminal, and not about to be retried."""
+    return state in TERMINAL_STATES and not (state in RETRIED_STATES and attempt + 1 < max_attempts)

@@ -1,0 +1,319 @@
+"""``harnessrl run``: execute a TrainingRun on one machine.
+
+The same spec the operator reconciles, with processes where the operator makes pods:
+- the policy server: a vLLM process (CPU here, GPU where present), or ``--openai-base-url`` /
+  ``spec.rollout.upstreams`` when one is already running;
+- the capture proxy: one ``harnessrl proxy`` process in gateway mode. Each harness process still gets exactly
+  a pod's contract (its own ``OPENAI_BASE_URL`` — the proxy's ``/rollouts/{id}/attempts/{n}/v1`` — its task file
+  and the reward endpoint under that base URL); one shared process instead of one per harness saves a Python
+  interpreter per rollout on a small machine;
+- harness processes: started by the shared ``RolloutScheduler`` through ``ProcessBackend``;
+- the learner: one ``harnessrl learn --spec`` process (DeepSpeed, a world of one on the CPU).
+
+Everything durable is in the store, so stopping (Ctrl-C, a crash) and running the same command again
+resumes: vLLM starts on the newest committed checkpoint, the learner continues from it, and rollouts it
+already trained on are never trained on again.
+
+Relative paths in the spec (model, tasks file, harness working directory) are resolved against the spec
+file's directory, so an example directory is self-contained.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harnessrl.local.processes import ProcessBackend
+from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
+from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
+from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.spec.models import TrainingRun
+from harnessrl.store import TraceStore
+from harnessrl.store.learner_ledger import LearnerLedger
+
+log = logging.getLogger(__name__)
+
+SERVED_MODEL_NAME = "policy"
+
+
+class RunError(RuntimeError):
+    """The run cannot start or continue; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class LocalRunOptions:
+    spec_path: Path
+    run_dir: Path | None = None
+    store_url: str | None = None
+    openai_base_url: str | None = None
+    model_dir: Path | None = None  # overrides spec.model.path
+    steps: int | None = None  # overrides spec.learner.steps
+    poll_s: float = 0.5
+    live: bool = True  # a live progress display when stdout is a terminal
+
+
+def load_tasks(run: TrainingRun, base: Path) -> list[dict[str, Any]]:
+    """The run's tasks as JSON objects ({"id", "data", ...}), from the inline list or a JSONL file."""
+    source = run.spec.harness.tasks
+    if source.inline is not None:
+        return [task.model_dump(mode="json", by_alias=True, exclude_none=True) for task in source.inline]
+    if source.file is not None:
+        path = resolve(base, source.file.path)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise RunError(f"spec.harness.tasks.file.path: cannot read {path} ({exc.strerror})") from None
+        tasks = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                task = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RunError(f"{path}:{number}: not JSON ({exc.msg}); each line must be one task object") from None
+            if not isinstance(task, dict) or "id" not in task:
+                raise RunError(f"{path}:{number}: a task must be a JSON object with an \"id\"")
+            tasks.append(task)
+        if not tasks:
+            raise RunError(f"{path} has no tasks; add one JSON object per line")
+        return tasks
+    raise RunError("spec.harness.tasks.configMap is only available on a cluster; locally use file or inline")
+
+
+def resolve(base: Path, value: str) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base / path).resolve()
+
+
+class LocalRun:
+    """One execution of ``harnessrl run``; ``execute()`` returns the process exit code."""
+
+    def __init__(self, run: TrainingRun, options: LocalRunOptions) -> None:
+        self.run = run
+        self.options = options
+        self.name = run.metadata.name
+        self.spec = run.spec
+        self.base = options.spec_path.resolve().parent
+        self.run_dir = (options.run_dir or Path("runs") / self.name).resolve()
+        self.steps = options.steps or self.spec.learner.steps
+        self.store_url = options.store_url or self._store_url_from_spec()
+        model = options.model_dir or (resolve(self.base, self.spec.model.path) if self.spec.model.path else None)
+        if model is None or not (model / "config.json").is_file():
+            hint = f"{model} has no config.json" if model else "spec.model.path is not set"
+            raise RunError(f"spec.model.path: {hint}; locally the model must be a Hugging Face directory — build a "
+                           f"tiny one with `harnessrl tiny-model DIR` and point spec.model.path (or --model) at it")
+        self.model_dir = model
+        self.tasks = load_tasks(run, self.base)
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def _store_url_from_spec(self) -> str:
+        store = self.spec.store
+        if store.postgres is not None:
+            if store.postgres.url:
+                return store.postgres.url
+            raise RunError("spec.store.postgres.secretRef only works on a cluster; locally pass --store URL")
+        path = store.sqlite.path if store.sqlite is not None else "trace.sqlite"
+        target = Path(path) if Path(path).is_absolute() else self.run_dir / path
+        return f"sqlite:///{target}"
+
+    # --- the run ------------------------------------------------------------------------------------------
+
+    def execute(self) -> int:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        store = TraceStore.connect(self.store_url)
+        store.upgrade()
+        store.ensure_run(self.name, self.run.model_dump(mode="json", by_alias=True, exclude_none=True))
+        write_run_file(self.run_dir, self.name, self.store_url)
+        ledger = LearnerLedger(store, self.name)
+        ledger.ensure_base_version(str(self.model_dir))
+        version = ledger.committed_version()
+        if version >= self.steps:
+            self._report(store)
+            print(f"run {self.name} already finished {version} steps; nothing to do")
+            return 0
+        serving = Path(ledger.version(version).checkpoint_path) if version else self.model_dir
+        interrupted = False
+        with ExitStack() as stack:
+            stack.callback(self._stop_children)
+            upstream = self._upstream(stack, serving)
+            if version and not ledger.version(version).synced:
+                ledger.mark_synced(version)  # the server was just started on that very checkpoint
+            proxy_url = self._start_proxy(upstream, version)
+            backend = ProcessBackend(
+                self._harness_command(), self.run_dir, cwd=self._harness_cwd(),
+                env=self._harness_env(), env_for=lambda launch: self._contract(proxy_url, launch),
+            )
+            stack.callback(backend.shutdown)
+            scheduler = RolloutScheduler(store, self._scheduler_settings(), backend, self.tasks)
+            stack.callback(scheduler.stop_all)
+            learner = self._start_learner(upstream, proxy_url)
+            print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
+                  f"from {serving}")
+            try:
+                self._loop(store, scheduler, learner)
+            except KeyboardInterrupt:
+                interrupted = True
+                print("\ninterrupted: stopping harnesses, learner, proxy and vLLM; run the same command to resume")
+        code = self._children_exit_code("learner")
+        self._report(store)
+        store.close()
+        if interrupted:
+            return 130
+        return 0 if code == 0 else 1
+
+    def _loop(self, store: TraceStore, scheduler: RolloutScheduler, learner: subprocess.Popen[bytes]) -> None:
+        live = self.options.live and sys.stdout.isatty()
+        last_line = ""
+        while True:
+            version = store.latest_policy_version(self.name, synced_only=True) or 0
+            scheduler.reconcile(version)
+            line = progress_line(summarize(store, self.name), self.steps)
+            if live:
+                print("\r" + line.ljust(len(last_line)), end="", flush=True)
+            elif line != last_line:
+                print(line, flush=True)
+            last_line = line
+            self._check_services()
+            if learner.poll() is not None:
+                if live:
+                    print()
+                if learner.returncode != 0:
+                    print(f"the learner exited with code {learner.returncode}; its log: {self.run_dir / 'learner.log'}\n"
+                          f"{tail(self.run_dir / 'learner.log', 30)}")
+                return
+            time.sleep(self.options.poll_s)
+
+    # --- services -------------------------------------------------------------------------------------------
+
+    def _upstream(self, stack: ExitStack, serving: Path) -> str:
+        """Base URL (without /v1) of the policy server."""
+        external = self.options.openai_base_url or (str(self.spec.rollout.upstreams[0])
+                                                    if self.spec.rollout.upstreams else None)
+        if external:
+            base = external.rstrip("/").removesuffix("/v1")
+            if not healthy(base):
+                raise RunError(f"no healthy vLLM server at {base} (GET /health failed); start it or drop "
+                               "--openai-base-url to let harnessrl start one")
+            return base
+        print(f"starting vLLM on {serving} (log {self.run_dir / 'vllm.log'}) ...", flush=True)
+        server: VllmServer = start_vllm(
+            serving, self.run_dir / "vllm.log", served_name=SERVED_MODEL_NAME,
+            max_model_len=self.spec.rollout.max_model_len, extra_args=self.spec.rollout.args,
+        )
+        stack.callback(server.stop)
+        return server.base_url
+
+    def _start_proxy(self, upstream: str, version: int) -> str:
+        port = free_port()
+        rollout = self.spec.rollout
+        sampling = {"temperature": rollout.temperature, "top_p": rollout.top_p}
+        if rollout.max_tokens is not None:
+            sampling["max_tokens"] = rollout.max_tokens
+        command = [
+            sys.executable, "-m", "harnessrl.cli", "proxy", "--upstream", upstream, "--store", self.store_url,
+            "--port", str(port), "--run", self.name, "--model-name", SERVED_MODEL_NAME,
+            "--sampling", json.dumps(sampling), "--policy-version", str(version),
+            "--spool", str(self.run_dir / "proxy.spool"),
+        ]
+        env = {**os.environ, "HARNESSRL_PAUSE_MODE": self.spec.proxy.pause.mode,
+               "HARNESSRL_MAX_BODY_BYTES": str(self.spec.proxy.max_request_body_bytes)}
+        proc = self._spawn("proxy", command, env)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RunError(f"the proxy exited with code {proc.returncode}:\n{tail(self.run_dir / 'proxy.log')}")
+            if healthy(url, "/healthz"):
+                return url
+            time.sleep(0.1)
+        raise RunError(f"the proxy did not become healthy; log {self.run_dir / 'proxy.log'}")
+
+    def _start_learner(self, upstream: str, proxy_url: str) -> subprocess.Popen[bytes]:
+        command = [
+            sys.executable, "-m", "harnessrl.cli", "learn", "--spec", str(self.options.spec_path.resolve()),
+            "--store", self.store_url, "--run", self.name, "--model", str(self.model_dir),
+            "--output", str(self.run_dir / "checkpoints"), "--steps", str(self.steps),
+            "--replica", upstream, "--proxy", proxy_url,
+        ]
+        return self._spawn("learner", command, dict(os.environ))
+
+    def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        with open(self.run_dir / f"{name}.log", "ab") as log:
+            # Own session: Ctrl-C reaches only the runner, which stops the children in order.
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self._children[name] = proc
+        return proc
+
+    def _check_services(self) -> None:
+        proxy = self._children.get("proxy")
+        if proxy is not None and proxy.poll() is not None:
+            raise RunError(f"the proxy exited with code {proxy.returncode}:\n{tail(self.run_dir / 'proxy.log')}")
+
+    def _stop_children(self) -> None:
+        # Learner first (it may be pausing the proxy), then the proxy (SIGTERM flushes its queue to the store).
+        for name in ("learner", "proxy"):
+            proc = self._children.get(name)
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    kill_process_group(proc, grace_s=1)
+
+    def _children_exit_code(self, name: str) -> int | None:
+        proc = self._children.get(name)
+        return None if proc is None else proc.poll()
+
+    # --- the harness contract ---------------------------------------------------------------------------------
+
+    def _harness_command(self) -> list[str]:
+        return [*self.spec.harness.command, *self.spec.harness.args]
+
+    def _harness_cwd(self) -> Path:
+        working = self.spec.harness.working_dir
+        return resolve(self.base, working) if working else self.base
+
+    def _harness_env(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for var in self.spec.harness.env:
+            if var.value is None:
+                raise RunError(f"spec.harness.env {var.name}: valueFrom only works on a cluster; give a value")
+            env[var.name] = var.value
+        # The harness uses the runner's Python environment (`python` finds the same packages).
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        return env
+
+    @staticmethod
+    def _contract(proxy_url: str, launch: Launch) -> dict[str, str]:
+        base = f"{proxy_url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
+        return {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "harnessrl", "HARNESSRL_MODEL_NAME": SERVED_MODEL_NAME,
+                "HARNESSRL_REWARD_URL": f"{base}/reward"}
+
+    def _scheduler_settings(self) -> SchedulerSettings:
+        harness, learner = self.spec.harness, self.spec.learner
+        return SchedulerSettings(
+            run=self.name, group_size=harness.group_size, concurrency=harness.concurrency,
+            timeout_s=float(harness.timeout_seconds), tasks_per_step=learner.tasks_per_step,
+            max_staleness=learner.max_staleness, max_attempts=harness.max_attempts,
+        )
+
+    # --- the end ------------------------------------------------------------------------------------------------
+
+    def _report(self, store: TraceStore) -> None:
+        from rich.console import Console
+
+        summary = summarize(store, self.name)
+        Console().print(summary_table(summary))
+        png = write_reward_curve(summary, self.run_dir / "reward.png")
+        if png is not None:
+            print(f"reward curve: {png}")
+
