@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The main job on one machine: install harnessrl for local runs, build the tiny model, check the example run.
-# (`harnessrl run` joins in here once the local runner lands; see the README's status table.)
+# The main job on one machine: install harnessrl for local runs, build the tiny model (no download), and train
+# it through the example harness with `harnessrl run` (vLLM on the CPU, capture proxy, harness processes,
+# DeepSpeed learner). Progress is shown live; the summary and runs/vowels/reward.png come at the end.
+# Ctrl-C stops cleanly; running it again resumes. Extra arguments go to `harnessrl run` (e.g. --steps 5).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh local
 # shellcheck disable=SC1091
 . .venv/bin/activate
-mkdir -p runs
-[ -f runs/tiny-model/config.json ] || harnessrl tiny-model runs/tiny-model
-harnessrl validate examples/*.yaml
+harnessrl validate examples/vowels/trainingrun.yaml
+[ -f examples/vowels/tiny-model/config.json ] || harnessrl tiny-model examples/vowels/tiny-model
+harnessrl run examples/vowels/trainingrun.yaml "$@"

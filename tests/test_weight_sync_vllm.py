@@ -47,6 +47,23 @@ def server_greedy(base_url: str, model: str, prompt: list[int], n: int = 12) -> 
     return list(answer["choices"][0]["token_ids"])
 
 
+def server_logprobs(base_url: str, model: str, prompt: list[int], n: int = 12) -> tuple[list[int], list[float]]:
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0.0, "logprobs": 0,
+            "return_token_ids": True}
+    choice = httpx.post(f"{base_url}/v1/completions", json=body, timeout=120).json()["choices"][0]
+    return list(choice["token_ids"]), list(choice["logprobs"]["token_logprobs"])
+
+
+def hf_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], n: int = 12) -> list[int]:
     from transformers import AutoModelForCausalLM
 
@@ -127,6 +144,11 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         after = [server_greedy(vllm_server.base_url, vllm_server.model, p) for p in PROBE_PROMPTS]
         assert after != before
         assert after == [hf_greedy(published, p) for p in PROBE_PROMPTS]
+        # Not only the argmax: every log-prob is the published weights' (a replica serving a stale LM head or
+        # stale prefix-cache entries would pass the greedy check and fail this one).
+        for prompt in PROBE_PROMPTS:
+            tokens, served = server_logprobs(vllm_server.base_url, vllm_server.model, prompt)
+            assert served == pytest.approx(hf_logprobs(published, prompt, tokens), abs=2e-3)
 
         # new calls through the proxy are labelled with the new version
         store.add_tasks(RUN, [{"id": "next"}])

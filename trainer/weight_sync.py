@@ -163,6 +163,9 @@ class VllmReplica:
         else:
             body = {"lora_name": self.lora_name, "lora_path": str(checkpoint), "load_inplace": True}
             self._check(self.client.post(f"{self.base_url}/v1/load_lora_adapter", json=body), "load_lora_adapter")
+        # The prefix cache holds keys/values computed by the old weights; a prompt sharing a cached prefix
+        # (every agent turn does) would otherwise be served partly by the previous policy.
+        self._check(self.client.post(f"{self.base_url}/reset_prefix_cache"), "reset_prefix_cache")
 
     def served_model(self) -> str:
         if self.lora_name is not None:

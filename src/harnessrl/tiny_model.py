@@ -128,7 +128,9 @@ def build_tiny_model(path: str | Path, cfg: TinyModelConfig | None = None) -> Pa
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        # Untied on purpose: vLLM 0.32's in-place `reload_weights` replaces the embedding parameter but leaves a
+        # tied LM head pointing at the old tensor, so a synced policy would be served with its initial head.
+        tie_word_embeddings=False,
         bos_token_id=eos_id,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

@@ -4,8 +4,9 @@ It is deliberately an ordinary harness: the plain ``openai`` client, a task read
 (``HARNESSRL_TASK_FILE`` or ``HARNESSRL_TASK``), two model calls with a tool result between them, and one reward
 posted to the proxy's ``/v1/reward`` at the end. Nothing in it knows about training.
 
-Reward: the share of digit characters in the model's two answers. A random model writes some digits by chance
-(numbers are common in the tokenizer's corpus), so the signal exists from step 0 and RL can raise it.
+Reward: the share of vowels (a, e, i, o, u) among the visible characters of the model's two answers. A random
+model writes about one vowel in six by chance, so the signal exists from step 0, and RL can raise it a lot
+(single-vowel tokens exist), which makes learning easy to see.
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ def load_task() -> dict:
     sys.exit("no task: set HARNESSRL_TASK_FILE or HARNESSRL_TASK")
 
 
-def digit_share(text: str) -> float:
+VOWELS = frozenset("aeiouAEIOU")
+
+
+def vowel_share(text: str) -> float:
     visible = [c for c in text if not c.isspace()]
-    return sum(c.isdigit() for c in visible) / len(visible) if visible else 0.0
+    return sum(c in VOWELS for c in visible) / len(visible) if visible else 0.0
 
 
 def count_tool(text: str) -> str:
     """The 'tool': tells the agent how it did, like a test runner would."""
-    digits = sum(c.isdigit() for c in text)
-    return f"tool count_digits: {digits} digits in {len(text)} characters. Write more numbers."
+    vowels = sum(c in VOWELS for c in text)
+    return f"tool count_vowels: {vowels} vowels in {len(text)} characters. Use more vowels."
 
 
 def main() -> int:
@@ -48,7 +52,7 @@ def main() -> int:
     max_tokens = int(task.get("max_tokens", 24))
 
     messages = [
-        {"role": "system", "content": "You are a counting agent. Answer with numbers."},
+        {"role": "system", "content": "You are a writing agent. Answer with words."},
         {"role": "user", "content": task["prompt"]},
     ]
     answers = []
@@ -60,7 +64,7 @@ def main() -> int:
         # The tool result goes back as a user turn: the tiny model has no tool-call format to answer to.
         messages.append({"role": "user", "content": count_tool(text)})
 
-    reward = sum(digit_share(a) for a in answers) / len(answers)
+    reward = sum(vowel_share(a) for a in answers) / len(answers)
     httpx.post(base_url.rstrip("/") + "/reward",
                json={"value": reward, "info": {"answers": answers}}, timeout=30).raise_for_status()
     print(json.dumps({"reward": reward}))

@@ -1,0 +1,832 @@
+"""The HTTP layer: aiohttp routes over the protocol, capture, writer, upstream and pause modules.
+
+Routes (every ``/v1/...`` route also under ``/rollouts/{rollout}/attempts/{attempt}``, which is how a shared
+gateway learns attribution; a sidecar takes it from its environment):
+
+``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
+``POST /v1/reward``, ``POST /v1/rollout/finish``, ``GET /healthz``, ``GET /metrics``,
+``POST /admin/pause``, ``POST /admin/resume``, ``GET /admin/state``, ``POST /admin/policy-version``,
+``POST /admin/flush``.
+
+Errors the proxy raises itself are 4xx in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
+an upstream's error answer is passed through with its status and body and recorded as an error call.
+A call whose harness went away before the answer was complete is recorded with status ``aborted`` and HTTP
+status 499 (the request is cancelled upstream by closing its connection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from harnessrl.store.records import CallStatus, RolloutState
+
+from .capture import Attribution, RolloutLedger, build_call_record
+from .config import ProxyConfig
+from .continuity import TokenContinuity
+from .metrics import ProxyMetrics
+from .pause import PausedError, PauseGate
+from .protocol import (
+    ROUTE_PATHS,
+    SSE_DONE,
+    ClientWants,
+    RequestError,
+    Route,
+    SSESplitter,
+    StreamAssembler,
+    Tokens,
+    client_wants,
+    dumps,
+    error_body,
+    loads,
+    parse_sse_event,
+    sse_bytes,
+    strip_unrequested,
+    tokens_from_response,
+    upstream_request,
+    validate_request,
+)
+from .spool import Spool
+from .upstreams import UpstreamPool, UpstreamUnavailable
+from .versions import AdminPolicyVersion, PolicyVersionSource
+from .writer import CallItem, FinishItem, RewardItem, TraceSink, TraceWriter
+
+log = logging.getLogger(__name__)
+
+ATTRIBUTED_PREFIX = "/rollouts/{rollout_id}/attempts/{attempt}"
+MAX_SSE_EVENT_BYTES = 256 * 1024 * 1024
+HTTP_CLIENT_CLOSED = 499
+
+PROXY_KEY = web.AppKey("harnessrl_proxy", object)
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=dumps(obj), status=status, content_type="application/json", headers=headers)
+
+
+def json_error(
+    status: int,
+    message: str,
+    *,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    return json_response(error_body(message, type_=type_, param=param, code=code), status, headers)
+
+
+class _HarnessGone(Exception):
+    """Writing to the harness failed: it closed the connection."""
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request body as JSON, or a 4xx ``RequestError`` that says what is wrong with it."""
+    if request.headers.get("Content-Type"):
+        ctype = request.content_type
+        if ctype != "application/json" and not ctype.endswith("+json"):
+            raise RequestError(
+                f"Content-Type {ctype!r} is not supported; send the body as application/json",
+                status=415,
+                code="unsupported_media_type",
+            )
+    raw = await request.read()
+    if not raw.strip():
+        raise RequestError("request body is empty; send a JSON object")
+    try:
+        return loads(raw)
+    except ValueError as exc:
+        raise RequestError(f"request body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+class CaptureProxy:
+    """One proxy: its settings, state, writer and upstream pool; ``app()`` builds the aiohttp application."""
+
+    def __init__(
+        self, config: ProxyConfig, store: TraceSink, *, versions: PolicyVersionSource | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = ProxyMetrics()
+        self.versions = versions or AdminPolicyVersion(config.policy_version)
+        self.gate = PauseGate(config.pause_mode, config.pause_retry_after_s)
+        self.ledger = RolloutLedger(config.live_rollouts, config.last_call_tokens)
+        self.writer = TraceWriter(
+            store,
+            Spool(config.resolved_spool_path),
+            self.metrics,
+            batch_size=config.write_batch,
+            queue_size=config.queue_size,
+            retry_s=config.spool_retry_s,
+            linger_s=config.write_linger_s,
+        )
+        self.upstreams = UpstreamPool(
+            config.upstreams,
+            self.metrics,
+            self.versions.current,
+            retries=config.upstream_retries,
+            backoff_s=config.upstream_backoff_s,
+            backoff_max_s=config.upstream_backoff_max_s,
+            connect_timeout_s=config.upstream_connect_timeout_s,
+            read_timeout_s=config.upstream_read_timeout_s,
+            connections=config.upstream_connections,
+            api_key=config.upstream_api_key,
+        )
+        self.continuity = TokenContinuity(self.upstreams, self.metrics) if config.continuity_enabled else None
+        self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
+        self.metrics.paused.set_function(lambda: 1 if self.gate.paused else 0)
+        self.metrics.policy_version.set_function(self.versions.current)
+
+    # -- application -----------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._middleware])
+        app[PROXY_KEY] = self
+        for prefix in ("", ATTRIBUTED_PREFIX):
+            named = "" if not prefix else "attributed_"
+            app.router.add_post(prefix + "/v1/chat/completions", self.chat, name=named + "chat")
+            app.router.add_post(prefix + "/v1/completions", self.completions, name=named + "completions")
+            app.router.add_get(prefix + "/v1/models", self.models, name=named + "models")
+            app.router.add_post(prefix + "/v1/reward", self.reward, name=named + "reward")
+            app.router.add_post(prefix + "/v1/rollout/finish", self.finish, name=named + "finish")
+        app.router.add_get("/healthz", self.healthz, name="healthz")
+        app.router.add_get("/metrics", self.prometheus, name="metrics")
+        app.router.add_post("/admin/pause", self.admin_pause, name="admin_pause")
+        app.router.add_post("/admin/resume", self.admin_resume, name="admin_resume")
+        app.router.add_get("/admin/state", self.admin_state, name="admin_state")
+        app.router.add_post("/admin/policy-version", self.admin_policy_version, name="admin_policy_version")
+        app.router.add_post("/admin/flush", self.admin_flush, name="admin_flush")
+        app.on_startup.append(self._on_startup)
+        app.on_cleanup.append(self._on_cleanup)
+        return app
+
+    async def _on_startup(self, app: web.Application) -> None:
+        await self.upstreams.start()
+        self.writer.start()
+
+    async def _on_cleanup(self, app: web.Application) -> None:
+        await self.upstreams.close()
+        loop = asyncio.get_running_loop()
+        stored = await loop.run_in_executor(None, self.writer.close, self.config.shutdown_timeout_s)
+        if not stored:
+            log.warning("proxy stopped with items left in the spool %s", self.writer.spool.path)
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        start = time.perf_counter()
+        info = request.match_info
+        route = info.route.name if info.route.name else "unmatched"
+        route = route.removeprefix("attributed_")
+        try:
+            response = await handler(request)
+        except RequestError as exc:
+            response = json_error(exc.status, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+        except web.HTTPException as exc:
+            response = self._http_exception(request, exc)
+        except asyncio.CancelledError:
+            self.metrics.requests.labels(route, str(HTTP_CLIENT_CLOSED)).inc()
+            raise
+        except Exception as exc:  # a bug in the proxy: answer in the same shape, keep serving
+            log.exception("internal error on %s %s", request.method, request.path)
+            response = json_error(500, f"internal proxy error: {type(exc).__name__}", type_="server_error")
+        self.metrics.requests.labels(route, str(response.status)).inc()
+        self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+        return response
+
+    @staticmethod
+    def _http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        if exc.status == 404:
+            message = (
+                f"unknown route {request.method} {request.path}: the proxy serves /v1/chat/completions, "
+                "/v1/completions, /v1/models, /v1/reward, /v1/rollout/finish (also under "
+                "/rollouts/{rollout}/attempts/{attempt}), /healthz, /metrics and /admin/*"
+            )
+            return json_error(404, message, code="not_found")
+        if exc.status == 405:
+            return json_error(
+                405,
+                f"method {request.method} is not allowed on {request.path}",
+                code="method_not_allowed",
+                headers=headers,
+            )
+        if exc.status == 413:
+            return json_error(
+                413,
+                f"request body larger than {request.app[PROXY_KEY].config.max_body_bytes} "
+                "bytes (raise HARNESSRL_MAX_BODY_BYTES to allow it)",
+                code="body_too_large",
+            )
+        return json_error(exc.status, exc.text or exc.reason, code=exc.status, headers=headers)
+
+    # -- attribution and capture -----------------------------------------------------------------------
+
+    def attribution(self, request: web.Request) -> Attribution:
+        info = request.match_info
+        if "rollout_id" in info:
+            try:
+                attempt = int(info["attempt"])
+            except ValueError:
+                attempt = -1
+            if attempt < 0:
+                raise RequestError(
+                    f"attempt {info['attempt']!r} in the URL must be a non-negative integer",
+                    param="attempt",
+                    code="invalid_attribution",
+                )
+            return Attribution(self.config.run, info["rollout_id"], attempt)
+        if self.config.rollout_id is not None:
+            return Attribution(self.config.run, self.config.rollout_id, self.config.attempt)
+        raise RequestError(
+            "missing rollout attribution: this proxy is a shared gateway, so call it under "
+            "/rollouts/{rollout}/attempts/{attempt}/v1/... (a sidecar sets HARNESSRL_ROLLOUT_ID)",
+            code="missing_attribution",
+        )
+
+    def capture(
+        self,
+        who: Attribution,
+        route: Route,
+        request_body: dict[str, Any],
+        response: dict[str, Any] | None,
+        tokens: Tokens,
+        *,
+        policy_version: int,
+        upstream: str,
+        started: float,
+        status: CallStatus,
+        http_status: int,
+        rendered: list[int] | None = None,
+    ) -> None:
+        """Number the call, remember it as the attempt's last, and hand it to the writer (no awaits)."""
+        seq = self.ledger.next_seq(who.key)
+        record = build_call_record(
+            who=who,
+            seq=seq,
+            route=route,
+            request=request_body,
+            response=response,
+            tokens=tokens,
+            policy_version=policy_version,
+            upstream=upstream,
+            latency_s=time.perf_counter() - started,
+            status=status,
+            http_status=http_status,
+        )
+        self.ledger.remember(who.key, record, rendered)
+        self.writer.put(CallItem(record))
+        self.metrics.calls.labels(route, status.value).inc()
+        self.metrics.prompt_tokens.inc(len(tokens.prompt_token_ids))
+        self.metrics.completion_tokens.inc(len(tokens.completion_token_ids))
+
+    async def _wait_for_room(self) -> None:
+        if self.writer.has_room():
+            return
+        self.metrics.backpressure_waits.inc()
+        delay = 0.001
+        while not self.writer.has_room():
+            await asyncio.sleep(delay)
+            delay = min(0.05, delay * 2)
+
+    # -- LLM routes ------------------------------------------------------------------------------------
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._llm(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._llm(request, "completions")
+
+    async def _llm(self, request: web.Request, route: Route) -> web.StreamResponse:
+        started = time.perf_counter()
+        who = self.attribution(request)
+        body = validate_request(route, await read_json(request))
+        wants = client_wants(route, body)
+        cfg = self.config
+        await self._wait_for_room()
+        try:
+            async with self.gate.admit():
+                if route == "chat" and self.continuity is not None:
+                    plan = await self.continuity.plan(
+                        who,
+                        body,
+                        self.ledger.last_call(who.key),
+                        cfg.model_name,
+                        cfg.sampling if cfg.train else {},
+                    )
+                    if plan is not None:
+                        if plan.stream:
+                            return await self._streamed(
+                                request,
+                                route,
+                                who,
+                                body,
+                                wants,
+                                plan.payload,
+                                started,
+                                path="/v1/completions",
+                                convert=plan.convert_chunk,
+                                rendered=plan.rendered_prompt,
+                            )
+                        return await self._unary(
+                            route,
+                            who,
+                            body,
+                            wants,
+                            plan.payload,
+                            started,
+                            path="/v1/completions",
+                            convert=plan.convert_response,
+                            rendered=plan.rendered_prompt,
+                        )
+                payload = dumps(
+                    upstream_request(
+                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling
+                    )
+                )
+                if body.get("stream") is True:
+                    return await self._streamed(request, route, who, body, wants, payload, started)
+                return await self._unary(route, who, body, wants, payload, started)
+        except PausedError as exc:
+            return json_error(
+                503,
+                "the proxy is paused for a weight sync; retry after the Retry-After delay",
+                type_="server_error",
+                code="paused",
+                headers={"Retry-After": str(exc.retry_after_s)},
+            )
+
+    async def _unary(
+        self,
+        route: Route,
+        who: Attribution,
+        body: dict[str, Any],
+        wants: ClientWants,
+        payload: bytes,
+        started: float,
+        *,
+        path: str | None = None,
+        convert: Any = None,
+        rendered: list[int] | None = None,
+    ) -> web.Response:
+        try:
+            answer = await self.upstreams.fetch(path or ROUTE_PATHS[route], payload, who.rollout_id)
+        except UpstreamUnavailable as exc:
+            return self._unavailable(route, who, body, exc, started)
+        except asyncio.CancelledError:
+            self.capture(
+                who,
+                route,
+                body,
+                None,
+                Tokens(),
+                policy_version=self.versions.current(),
+                upstream="",
+                started=started,
+                status=CallStatus.ABORTED,
+                http_status=HTTP_CLIENT_CLOSED,
+            )
+            raise
+        self.metrics.upstream_latency.labels(route).observe(answer.seconds)
+        if not 200 <= answer.status < 300:
+            return self._passthrough_error(
+                route,
+                who,
+                body,
+                answer.status,
+                answer.body,
+                answer.content_type,
+                answer.url,
+                answer.policy_version,
+                started,
+                answer.retry_after,
+            )
+        try:
+            data = loads(answer.body)
+        except ValueError:
+            data = None
+        if not isinstance(data, dict):
+            return self._bad_upstream(
+                route,
+                who,
+                body,
+                answer.url,
+                answer.policy_version,
+                started,
+                "upstream answered 2xx with a body that is not a JSON object",
+            )
+        if convert is not None:
+            data = convert(data)
+        tokens = tokens_from_response(route, data)
+        out = dumps(strip_unrequested(data, wants))
+        self.capture(
+            who,
+            route,
+            body,
+            data,
+            tokens,
+            policy_version=answer.policy_version,
+            upstream=answer.url,
+            started=started,
+            status=CallStatus.OK,
+            http_status=answer.status,
+            rendered=rendered,
+        )
+        return web.Response(body=out, status=answer.status, content_type="application/json")
+
+    def _unavailable(
+        self, route: Route, who: Attribution, body: dict[str, Any], exc: UpstreamUnavailable, started: float
+    ) -> web.Response:
+        status = 504 if exc.timeout else 502
+        err = error_body(
+            str(exc),
+            type_="upstream_error",
+            code="upstream_timeout" if exc.timeout else "upstream_unavailable",
+        )
+        self.capture(
+            who,
+            route,
+            body,
+            err,
+            Tokens(),
+            policy_version=self.versions.current(),
+            upstream=exc.url,
+            started=started,
+            status=CallStatus.ERROR,
+            http_status=status,
+        )
+        return json_response(err, status)
+
+    def _bad_upstream(
+        self,
+        route: Route,
+        who: Attribution,
+        body: dict[str, Any],
+        url: str,
+        version: int,
+        started: float,
+        message: str,
+    ) -> web.Response:
+        err = error_body(message, type_="upstream_error", code="upstream_bad_response")
+        self.capture(
+            who,
+            route,
+            body,
+            err,
+            Tokens(),
+            policy_version=version,
+            upstream=url,
+            started=started,
+            status=CallStatus.ERROR,
+            http_status=502,
+        )
+        return json_response(err, 502)
+
+    def _passthrough_error(
+        self,
+        route: Route,
+        who: Attribution,
+        body: dict[str, Any],
+        status: int,
+        raw: bytes,
+        content_type: str,
+        url: str,
+        version: int,
+        started: float,
+        retry_after: str | None,
+    ) -> web.Response:
+        try:
+            parsed = loads(raw)
+            stored = parsed if isinstance(parsed, dict) else {"error": {"message": parsed}}
+        except ValueError:
+            stored = {"error": {"message": raw.decode("utf-8", "replace")}}
+        self.capture(
+            who,
+            route,
+            body,
+            stored,
+            Tokens(),
+            policy_version=version,
+            upstream=url,
+            started=started,
+            status=CallStatus.ERROR,
+            http_status=status,
+        )
+        headers = {"Retry-After": retry_after} if retry_after else None
+        return web.Response(
+            body=raw,
+            status=status,
+            headers=headers,
+            content_type=content_type.split(";")[0].strip() or "application/json",
+        )
+
+    async def _streamed(
+        self,
+        request: web.Request,
+        route: Route,
+        who: Attribution,
+        body: dict[str, Any],
+        wants: ClientWants,
+        payload: bytes,
+        started: float,
+        *,
+        path: str | None = None,
+        convert: Any = None,
+        rendered: list[int] | None = None,
+    ) -> web.StreamResponse:
+        relaying = False  # from then on _relay records the call, however it ends
+        try:
+            async with self.upstreams.stream(path or ROUTE_PATHS[route], payload, who.rollout_id) as up:
+                upstream = up.response
+                if not 200 <= upstream.status < 300:
+                    raw = await upstream.read()
+                    return self._passthrough_error(
+                        route,
+                        who,
+                        body,
+                        upstream.status,
+                        raw,
+                        upstream.headers.get("Content-Type", "application/json"),
+                        up.url,
+                        up.policy_version,
+                        started,
+                        upstream.headers.get("Retry-After"),
+                    )
+                relaying = True
+                return await self._relay(request, route, who, body, wants, up, started, convert, rendered)
+        except UpstreamUnavailable as exc:
+            return self._unavailable(route, who, body, exc, started)
+        except asyncio.CancelledError:
+            if not relaying:
+                self.capture(
+                    who,
+                    route,
+                    body,
+                    None,
+                    Tokens(),
+                    policy_version=self.versions.current(),
+                    upstream="",
+                    started=started,
+                    status=CallStatus.ABORTED,
+                    http_status=HTTP_CLIENT_CLOSED,
+                )
+            raise
+
+    async def _relay(
+        self,
+        request: web.Request,
+        route: Route,
+        who: Attribution,
+        body: dict[str, Any],
+        wants: ClientWants,
+        up: Any,
+        started: float,
+        convert: Any,
+        rendered: list[int] | None,
+    ) -> web.StreamResponse:
+        """Pass the upstream's events through as they arrive (what one read brought goes out in one write),
+        capturing them; the call is queued before ``[DONE]`` goes out, so a reward sent after the stream ends
+        can never overtake it."""
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
+        )
+        await resp.prepare(request)
+        assembler = StreamAssembler(route)
+        raw_passthrough = wants.token_ids and wants.logprobs and convert is None
+        status, http_status = CallStatus.OK, up.response.status
+        error_event: bytes | None = None
+        done = False
+        recorded = False
+
+        async def send(data: bytes) -> None:
+            try:
+                await resp.write(data)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+                raise _HarnessGone() from exc
+
+        def record(call_status: CallStatus, code: int) -> None:
+            nonlocal recorded
+            recorded = True
+            self.metrics.upstream_latency.labels(route).observe(time.perf_counter() - up.started)
+            response = assembler.response()
+            self.capture(
+                who,
+                route,
+                body,
+                response,
+                assembler.tokens(),
+                policy_version=up.policy_version,
+                upstream=up.url,
+                started=started,
+                status=call_status,
+                http_status=code,
+                rendered=rendered,
+            )
+
+        try:
+            content = up.response.content
+            splitter = SSESplitter(MAX_SSE_EVENT_BYTES)
+            while True:
+                try:
+                    data = await content.readany()
+                    events = splitter.feed(data) if data else [splitter.rest()]
+                except (aiohttp.ClientError, TimeoutError, HttpProcessingError, ValueError) as exc:
+                    status, http_status = CallStatus.ERROR, 502
+                    message = f"upstream {up.url} failed mid-stream: {type(exc).__name__}: {exc}"
+                    assembler.error = error_body(
+                        message, type_="upstream_error", code="upstream_stream_broken"
+                    )
+                    error_event = sse_bytes(assembler.error)
+                    break
+                out: list[bytes] = []  # everything that arrived in this read goes out in one write
+                for raw in events:
+                    if not raw.strip():
+                        continue
+                    event = parse_sse_event(raw)
+                    if event.done:
+                        done = True
+                    elif event.data is None:
+                        out.append(raw if raw.endswith(b"\n\n") else raw + b"\n\n")
+                    else:
+                        for chunk in convert(event.data) if convert is not None else (event.data,):
+                            assembler.feed(chunk)
+                            out.append(raw if raw_passthrough else sse_bytes(strip_unrequested(chunk, wants)))
+                if out:
+                    await send(b"".join(out))
+                if not data:
+                    break
+            if assembler.error is not None:
+                status = CallStatus.ERROR
+            record(status, http_status)
+            if error_event is not None:
+                await send(error_event)
+                done = True
+            if done:
+                await send(SSE_DONE)
+            await resp.write_eof()
+        except _HarnessGone:
+            if not recorded:
+                record(CallStatus.ABORTED, HTTP_CLIENT_CLOSED)
+        except asyncio.CancelledError:
+            if not recorded:
+                record(CallStatus.ABORTED, HTTP_CLIENT_CLOSED)
+            raise
+        return resp
+
+    # -- models, rewards, rollout end --------------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        try:
+            answer = await self.upstreams.fetch("/v1/models", None, "models", method="GET")
+        except UpstreamUnavailable as exc:
+            return json_error(502, str(exc), type_="upstream_error", code="upstream_unavailable")
+        return web.Response(
+            body=answer.body,
+            status=answer.status,
+            content_type=answer.content_type.split(";")[0].strip() or "application/json",
+        )
+
+    async def reward(self, request: web.Request) -> web.Response:
+        who = self.attribution(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise RequestError('reward body must be a JSON object like {"value": 1.0, "info": {...}}')
+        value = body.get("value")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise RequestError(
+                f"'value' must be a finite number, got {json.dumps(value)[:80]}",
+                param="value",
+                code="invalid_reward",
+            )
+        info = body.get("info")
+        if info is not None and not isinstance(info, dict):
+            raise RequestError("'info' must be a JSON object (or left out)", param="info")
+        self.writer.put(RewardItem(who.rollout_id, who.attempt, float(value), info))
+        return json_response(
+            {"rollout_id": who.rollout_id, "attempt": who.attempt, "value": float(value), "accepted": True}
+        )
+
+    async def finish(self, request: web.Request) -> web.Response:
+        who = self.attribution(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise RequestError('finish body must be a JSON object like {"status": "succeeded"}')
+        status = body.get("status")
+        if status not in ("succeeded", "failed"):
+            raise RequestError(
+                f'\'status\' must be "succeeded" or "failed", got {json.dumps(status)[:80]}', param="status"
+            )
+        error = body.get("error")
+        reason = None if error is None else (error if isinstance(error, str) else json.dumps(error))
+        self.writer.put(FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason))
+        self.ledger.forget(who.key)
+        return json_response(
+            {"rollout_id": who.rollout_id, "attempt": who.attempt, "status": status, "accepted": True}
+        )
+
+    # -- operations ----------------------------------------------------------------------------------------
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return json_response(
+            {"status": "ok", "paused": self.gate.paused, "spool_pending": self.writer.spool.pending}
+        )
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _optional_json(self, request: web.Request) -> dict[str, Any]:
+        if not request.can_read_body:
+            return {}
+        raw = await request.read()
+        if not raw.strip():
+            return {}
+        try:
+            body = loads(raw)
+        except ValueError:
+            raise RequestError("admin request body is not valid JSON", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError("admin request body must be a JSON object")
+        return body
+
+    async def admin_pause(self, request: web.Request) -> web.Response:
+        body = await self._optional_json(request)
+        mode = body.get("mode", self.config.pause_mode)
+        if mode not in ("reject", "wait"):
+            raise RequestError('\'mode\' must be "reject" (503 + Retry-After) or "wait"', param="mode")
+        timeout = body.get("timeout_s", self.config.drain_timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise RequestError("'timeout_s' must be a number of seconds >= 0", param="timeout_s")
+        report = await self.gate.pause(mode, float(timeout))
+        return json_response(report.as_json())
+
+    async def admin_resume(self, request: web.Request) -> web.Response:
+        self.gate.resume()
+        return json_response(self.gate.state())
+
+    async def admin_state(self, request: web.Request) -> web.Response:
+        cfg = self.config
+        return json_response(
+            {
+                **self.gate.state(),
+                "policy_version": self.versions.current(),
+                "queue_depth": self.writer.queued,
+                "unwritten": self.writer.depth,
+                "spool_pending": self.writer.spool.pending,
+                "upstreams": self.upstreams.urls,
+                "mode": cfg.proxy_mode,
+                "attribution": "sidecar" if cfg.sidecar else "gateway",
+                "run": cfg.run,
+            }
+        )
+
+    async def admin_policy_version(self, request: web.Request) -> web.Response:
+        body = await self._optional_json(request)
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise RequestError("'version' must be an integer >= 0", param="version")
+        if not isinstance(self.versions, AdminPolicyVersion):
+            raise RequestError(
+                "this proxy reads the policy version from a shared source; set it there",
+                status=409,
+                code="version_not_settable",
+            )
+        self.versions.set(version)
+        return json_response({"policy_version": version})
+
+    async def admin_flush(self, request: web.Request) -> web.Response:
+        """Wait until every captured item so far is in the store (for tests and for a learner's barrier)."""
+        body = await self._optional_json(request)
+        timeout = body.get("timeout_s", 30.0)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise RequestError("'timeout_s' must be a number of seconds >= 0", param="timeout_s")
+        loop = asyncio.get_running_loop()
+        flushed = await loop.run_in_executor(None, self.writer.flush, float(timeout))
+        return json_response(
+            {"flushed": flushed, "spool_pending": self.writer.spool.pending}, 200 if flushed else 503
+        )
+
+
+async def start_proxy(
+    proxy: CaptureProxy, host: str = "127.0.0.1", port: int = 0, shutdown_timeout: float | None = None
+) -> tuple[web.AppRunner, str]:
+    """Serve ``proxy`` on ``host:port`` (0: a free port); returns the runner and the base URL."""
+    runner = web.AppRunner(
+        proxy.app(),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=proxy.config.shutdown_timeout_s if shutdown_timeout is None else shutdown_timeout,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+    bound = sockets[0].getsockname()[1] if sockets else port
+    return runner, f"http://{host}:{bound}"

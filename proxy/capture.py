@@ -1,0 +1,182 @@
+"""Turning one finished exchange into a ``CallRecord``, with its place in the rollout.
+
+Sequence numbers: the proxy numbers the calls of each rollout attempt 0, 1, 2... in the order they
+*finish* (when the record is handed to the writer). For an agent loop that is also the order they started;
+for calls a harness runs concurrently, finish order is the order in which their results could have fed any
+later prompt. Numbering at finish also means the call with ``seq - 1`` always reaches the writer first, so
+the store finds each call's predecessor earlier in the same batch or already stored (its delta encoding).
+
+The ledger keeps, per live rollout attempt, the next sequence number and a slim summary of the last call
+(its token ids as compact int32 arrays, its messages and reply) for token continuity (``continuity.py``).
+Both maps are bounded (least recently used first out): the counters by count, the last calls by the tokens
+they hold. A counter that fell out would restart numbering, so its bound is large
+(``HARNESSRL_LIVE_ROLLOUTS``).
+
+Why not the whole last ``CallRecord`` (to hand to ``store.add_calls(previous=...)``): the store computes
+deltas from digests kept on the stored rows and ignores ``previous``, and a full record with its decoded
+response costs ~220 kB of Python objects for a 1k+200-token call -- the proxy's RSS grew by ~400 MB over
+20k calls across 500 rollouts (bench/proxy_overhead.py) before the ledger was made slim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from harnessrl.store.records import CallRecord, CallStatus
+
+from .protocol import Route, Tokens, reply_message
+
+AttemptKey = tuple[str, int]  # (rollout_id, attempt)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Who a call belongs to: from the pod's env (sidecar) or the URL path (gateway)."""
+
+    run: str
+    rollout_id: str
+    attempt: int
+
+    @property
+    def key(self) -> AttemptKey:
+        return (self.rollout_id, self.attempt)
+
+
+_ID_PREFIX = uuid.uuid4().hex[:20]  # 80 random bits per process
+_ID_COUNTER = itertools.count()
+
+
+def new_call_id() -> str:
+    """Idempotency key of a call (spool replays and retried writes rely on it): 32 hex digits, a random
+    per-process prefix and a counter, so no system call per request."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
+
+
+@dataclass(frozen=True)
+class LastCall:
+    """What a later call needs to know about the attempt's previous one."""
+
+    call_id: str
+    seq: int
+    route: Route
+    status: CallStatus
+    prompt_token_ids: array  # int32, what the model saw
+    completion_token_ids: array  # int32
+    rendered_prompt: array  # int32, the chat template's rendering of ``messages`` (continuity.py's "A")
+    messages: list[Any] | None  # the chat request's messages, as the harness sent them
+    reply: dict[str, Any] | None  # the assistant message of choice 0
+
+    @classmethod
+    def of(cls, record: CallRecord, rendered_prompt: list[int] | None = None) -> LastCall:
+        messages = record.request.get("messages") if record.route == "chat" else None
+        prompt = _int32(record.prompt_token_ids)
+        return cls(
+            record.call_id,
+            record.seq,
+            record.route,
+            record.status,  # type: ignore[arg-type]
+            prompt,
+            _int32(record.completion_token_ids),
+            prompt if rendered_prompt is None else _int32(rendered_prompt),
+            messages if isinstance(messages, list) else None,
+            reply_message(record.response) if record.route == "chat" else None,
+        )
+
+    @property
+    def tokens(self) -> int:
+        rendered = len(self.rendered_prompt) if self.rendered_prompt is not self.prompt_token_ids else 0
+        return len(self.prompt_token_ids) + len(self.completion_token_ids) + rendered + 1
+
+
+def _int32(ids: list[int]) -> array:
+    try:
+        return array("i", ids)
+    except (OverflowError, TypeError):  # not int32 token ids (never from vLLM): keep them out of continuity
+        return array("i")
+
+
+class RolloutLedger:
+    """Sequence counters and last calls of live rollout attempts (event-loop thread only; no awaits)."""
+
+    def __init__(self, max_rollouts: int, max_tokens: int) -> None:
+        self.max_rollouts = max_rollouts
+        self.max_tokens = max_tokens
+        self._next_seq: OrderedDict[AttemptKey, int] = OrderedDict()
+        self._last: OrderedDict[AttemptKey, LastCall] = OrderedDict()
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._next_seq)
+
+    @property
+    def held_tokens(self) -> int:
+        return self._tokens
+
+    def last_call(self, key: AttemptKey) -> LastCall | None:
+        return self._last.get(key)
+
+    def next_seq(self, key: AttemptKey) -> int:
+        seq = self._next_seq.pop(key, 0)
+        self._next_seq[key] = seq + 1
+        while len(self._next_seq) > self.max_rollouts:
+            self._next_seq.popitem(last=False)
+        return seq
+
+    def remember(self, key: AttemptKey, record: CallRecord, rendered_prompt: list[int] | None = None) -> None:
+        """Make ``record`` the attempt's last call (``rendered_prompt``: when its prompt is not the chat
+        template's rendering, i.e. it was sent with token continuity)."""
+        self.forget(key)
+        last = LastCall.of(record, rendered_prompt)
+        if last.tokens <= self.max_tokens:
+            self._last[key] = last
+            self._tokens += last.tokens
+        while self._tokens > self.max_tokens and self._last:
+            _, evicted = self._last.popitem(last=False)
+            self._tokens -= evicted.tokens
+
+    def forget(self, key: AttemptKey) -> None:
+        """Drop the attempt's last call (the counter stays, so late calls never reuse a number)."""
+        previous = self._last.pop(key, None)
+        if previous is not None:
+            self._tokens -= previous.tokens
+
+
+def build_call_record(
+    *,
+    who: Attribution,
+    seq: int,
+    route: Route,
+    request: dict[str, Any],
+    response: dict[str, Any] | None,
+    tokens: Tokens,
+    policy_version: int,
+    upstream: str,
+    latency_s: float,
+    status: CallStatus,
+    http_status: int,
+    call_id: str | None = None,
+) -> CallRecord:
+    return CallRecord(
+        call_id=call_id or new_call_id(),
+        run=who.run,
+        rollout_id=who.rollout_id,
+        attempt=who.attempt,
+        seq=seq,
+        route=route,
+        request=request,
+        response=response,
+        prompt_token_ids=tokens.prompt_token_ids,
+        completion_token_ids=tokens.completion_token_ids,
+        logprobs=tokens.logprobs,
+        policy_version=policy_version,
+        upstream=upstream,
+        latency_s=latency_s,
+        status=status,
+        http_status=http_status,
+        finish_reason=tokens.finish_reason,
+    )

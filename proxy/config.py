@@ -1,0 +1,179 @@
+"""Proxy settings, from command-line flags and from environment variables.
+
+A sidecar proxy is configured entirely by its pod's environment (the operator sets it); a gateway or a local
+run mostly by flags. Flags win over the environment. Every setting has one environment variable:
+
+=================================  =========================================================================
+HARNESSRL_UPSTREAMS                vLLM base URLs, comma-separated (``http://vllm-0:8000,http://vllm-1:8000``)
+HARNESSRL_STORE_URL                trace store URL (``postgresql+psycopg://...`` or ``sqlite:///path.db``)
+HARNESSRL_STORE_UPGRADE            ``true``: run the store's migrations at start (local runs; default false)
+HARNESSRL_RUN                      run name stored on every call (default ``default``)
+HARNESSRL_ROLLOUT_ID               sidecar attribution: the rollout this pod serves. Unset: gateway mode,
+                                   where calls use ``/rollouts/{rollout}/attempts/{attempt}/v1/...``
+HARNESSRL_ATTEMPT                  sidecar attribution: the attempt number (default 0)
+HARNESSRL_PROXY_HOST               listen address (default 127.0.0.1; a gateway uses 0.0.0.0)
+HARNESSRL_PROXY_PORT               listen port (default 8100)
+HARNESSRL_PROXY_MODE               ``train`` (default): add token ids + log-probs upstream and enforce the
+                                   run's model and sampling; ``observe``: forward requests unchanged and
+                                   record what comes back
+HARNESSRL_POLICY_VERSION           policy version at start (default 0); later set by ``/admin/policy-version``
+HARNESSRL_MODEL_NAME               model name sent upstream whatever the harness asks for (default: as sent)
+HARNESSRL_SAMPLING                 JSON object of sampling fields forced on every call in train mode,
+                                   e.g. ``{"temperature": 1.0, "top_p": 1.0}``
+HARNESSRL_TOKEN_CONTINUITY         chat calls that extend the previous call are sent as token ids (see
+                                   ``continuity.py``); default: on in train mode
+HARNESSRL_UPSTREAM_API_KEY         bearer token for the upstreams (vLLM ``--api-key``); default none
+HARNESSRL_UPSTREAM_RETRIES         retries on connection errors, 429 and 5xx (default 3)
+HARNESSRL_UPSTREAM_BACKOFF_S       first retry delay, doubled each retry (default 0.1)
+HARNESSRL_UPSTREAM_BACKOFF_MAX_S   largest retry delay, also the cap on an upstream's Retry-After (default 5)
+HARNESSRL_UPSTREAM_CONNECT_TIMEOUT_S  connect timeout per attempt (default 10)
+HARNESSRL_UPSTREAM_READ_TIMEOUT_S  longest silence while reading an upstream answer (default 900)
+HARNESSRL_UPSTREAM_CONNECTIONS     connection-pool size to all upstreams together (default 1024)
+HARNESSRL_MAX_BODY_BYTES           largest request body accepted, larger -> 413 (default 64 MiB)
+HARNESSRL_PAUSE_MODE               what ``/admin/pause`` does to new calls by default: ``reject`` (503 with
+                                   Retry-After) or ``wait`` (held until resume); default reject
+HARNESSRL_PAUSE_RETRY_AFTER_S      Retry-After sent while paused in reject mode (default 1)
+HARNESSRL_DRAIN_TIMEOUT_S          how long ``/admin/pause`` waits for in-flight calls (default 30)
+HARNESSRL_QUEUE_SIZE               captured items held in memory before new calls wait for the writer
+                                   (default 10000)
+HARNESSRL_WRITE_BATCH              most calls per store write (default 256)
+HARNESSRL_WRITE_LINGER_S           how long the writer collects calls before a write (default 0.02)
+HARNESSRL_SPOOL_PATH               append-only file for items the store could not take (default
+                                   ``$TMPDIR/harnessrl-proxy-<port>.spool``; a sidecar mounts an emptyDir)
+HARNESSRL_SPOOL_RETRY_S            first delay before replaying the spool, doubled up to 5 s (default 0.2)
+HARNESSRL_LIVE_ROLLOUTS            rollout attempts whose sequence counter is kept (default 100000)
+HARNESSRL_LAST_CALL_TOKENS         token budget of the last-call-per-rollout map used by token continuity
+                                   (default 8000000: 32 MB of int32 arrays plus the calls' messages)
+HARNESSRL_SHUTDOWN_TIMEOUT_S       on SIGTERM, how long in-flight calls may finish (default 30)
+=================================  =========================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MIB = 1024 * 1024
+
+# Flags whose name is not simply ``--field-name`` (see commands.py).
+FLAG_NAMES = {
+    "upstreams": "--upstream",
+    "store_url": "--store",
+    "proxy_port": "--port",
+    "proxy_host": "--host",
+    "proxy_mode": "--mode",
+}
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names the flag/variable and the fix."""
+
+
+class ProxyConfig(BaseSettings):
+    """All proxy settings; field ``x`` is read from ``HARNESSRL_X`` (see the module docstring)."""
+
+    model_config = SettingsConfigDict(env_prefix="HARNESSRL_", extra="ignore", frozen=True)
+
+    upstreams: Annotated[list[str], NoDecode] = Field(min_length=1)
+    store_url: str
+    store_upgrade: bool = False
+    run: str = "default"
+    rollout_id: str | None = None
+    attempt: int = Field(default=0, ge=0)
+    proxy_host: str = "127.0.0.1"
+    proxy_port: int = Field(default=8100, ge=0, le=65535)
+    proxy_mode: Literal["train", "observe"] = "train"
+    policy_version: int = Field(default=0, ge=0)
+    model_name: str | None = None
+    sampling: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
+    token_continuity: bool | None = None
+    upstream_api_key: str | None = None
+    upstream_retries: int = Field(default=3, ge=0)
+    upstream_backoff_s: float = Field(default=0.1, ge=0)
+    upstream_backoff_max_s: float = Field(default=5.0, ge=0)
+    upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
+    upstream_read_timeout_s: float = Field(default=900.0, gt=0)
+    upstream_connections: int = Field(default=1024, ge=1)
+    max_body_bytes: int = Field(default=64 * MIB, ge=1024)
+    pause_mode: Literal["reject", "wait"] = "reject"
+    pause_retry_after_s: int = Field(default=1, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    queue_size: int = Field(default=10_000, ge=1)
+    write_batch: int = Field(default=256, ge=1)
+    write_linger_s: float = Field(default=0.02, ge=0)
+    spool_path: Path | None = None
+    spool_retry_s: float = Field(default=0.2, gt=0)
+    live_rollouts: int = Field(default=100_000, ge=1)
+    last_call_tokens: int = Field(default=8_000_000, ge=0)
+    shutdown_timeout_s: float = Field(default=30.0, ge=0)
+
+    @field_validator("upstreams", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            urls = [str(v).strip().rstrip("/") for v in value if str(v).strip()]
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ValueError(f"upstream {url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000")
+                if url.endswith("/v1"):
+                    raise ValueError(f"upstream {url!r}: give the server root, without /v1")
+            return urls
+        return value
+
+    @field_validator("sampling", mode="before")
+    @classmethod
+    def _parse_sampling(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not JSON ({exc.msg}); use e.g. '{{\"temperature\": 1.0}}'") from None
+        if not isinstance(value, dict):  # pydantic turns ValueError (not TypeError) into a validation error
+            raise ValueError('must be a JSON object of sampling fields, e.g. {"temperature": 1.0}')  # noqa: TRY004
+        return value
+
+    @property
+    def train(self) -> bool:
+        return self.proxy_mode == "train"
+
+    @property
+    def continuity_enabled(self) -> bool:
+        return self.train if self.token_continuity is None else self.token_continuity
+
+    @property
+    def sidecar(self) -> bool:
+        """Sidecar mode: attribution from the environment; gateway mode otherwise."""
+        return self.rollout_id is not None
+
+    @property
+    def resolved_spool_path(self) -> Path:
+        if self.spool_path is not None:
+            return self.spool_path
+        return Path(tempfile.gettempdir()) / f"harnessrl-proxy-{self.proxy_port}.spool"
+
+
+def load_config(**overrides: Any) -> ProxyConfig:
+    """Settings from the environment with ``overrides`` (flags) on top; ``None`` overrides are ignored.
+
+    Raises ``ConfigError`` with one line per bad setting, naming its flag and environment variable.
+    """
+    given = {k: v for k, v in overrides.items() if v is not None}
+    try:
+        return ProxyConfig(**given)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            flag = FLAG_NAMES.get(field, "--" + field.replace("_", "-"))
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                msg = "is required"
+            lines.append(f"{field} ({flag} or HARNESSRL_{field.upper()}): {msg}")
+        raise ConfigError("; ".join(lines)) from None

@@ -1,0 +1,233 @@
+"""The vLLM upstreams: which one serves a rollout, and retrying what can safely be retried.
+
+Pinning: a rollout always goes to the same upstream while the set of upstreams is unchanged, so its
+growing prompt hits that server's prefix cache. Rendezvous (highest-random-weight) hashing of the rollout id
+picks it; adding or removing one upstream moves only the rollouts that hashed to it. The same ranking gives
+the order of fail-over on retries.
+
+Retries: connection errors (refused, reset, DNS), 429 and 5xx are retried with exponential backoff (an
+upstream's ``Retry-After`` is honoured up to the cap). A non-streamed call is retried until its whole body
+was read; a streamed one only until the upstream answered with a success status: once the first byte of a
+stream has gone to the harness nothing is retried. Read timeouts are not retried (the upstream may still be
+generating).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+
+from .metrics import ProxyMetrics
+
+
+class UpstreamUnavailable(Exception):
+    """No upstream answered (connection errors on every attempt, or a read timeout)."""
+
+    def __init__(self, url: str, cause: BaseException, *, timeout: bool = False) -> None:
+        detail = str(cause) or type(cause).__name__
+        super().__init__(f"upstream {url} {'timed out' if timeout else 'unreachable'}: {detail}")
+        self.url = url
+        self.timeout = timeout
+
+
+@dataclass
+class Answer:
+    """A fully read upstream answer."""
+
+    status: int
+    body: bytes
+    content_type: str
+    url: str
+    policy_version: int
+    seconds: float
+    retry_after: str | None = None
+
+
+@dataclass
+class OpenStream:
+    """An upstream answer whose body is still arriving (a stream, or an error not yet read)."""
+
+    response: aiohttp.ClientResponse
+    url: str
+    policy_version: int
+    started: float
+
+
+def _retryable_status(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, (aiohttp.SocketTimeoutError, TimeoutError)) and not isinstance(
+        exc, aiohttp.ConnectionTimeoutError
+    )
+
+
+class UpstreamPool:
+    def __init__(
+        self,
+        urls: list[str],
+        metrics: ProxyMetrics,
+        current_version: Callable[[], int],
+        *,
+        retries: int = 3,
+        backoff_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        connect_timeout_s: float = 10.0,
+        read_timeout_s: float = 900.0,
+        connections: int = 1024,
+        api_key: str | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one upstream URL is required")
+        self.urls = list(urls)
+        self.metrics = metrics
+        self.current_version = current_version
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.connections = connections
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.connections, limit_per_host=0, keepalive_timeout=60)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.connect_timeout_s, sock_read=self.read_timeout_s
+        )
+        # read_bufsize: the first chunk of a stream carries the whole prompt's token ids.
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("UpstreamPool.start() was not awaited")
+        return self._session
+
+    def ranked(self, key: str) -> list[str]:
+        """Upstreams in preference order for ``key`` (rendezvous hashing)."""
+        if len(self.urls) == 1:
+            return self.urls
+
+        def score(url: str) -> int:
+            return int.from_bytes(hashlib.blake2b(f"{url}\0{key}".encode(), digest_size=8).digest(), "big")
+
+        return sorted(self.urls, key=score, reverse=True)
+
+    def _delay(self, attempt: int, retry_after: str | None) -> float:
+        if retry_after is not None:
+            try:
+                return min(self.backoff_max_s, max(0.0, float(retry_after)))
+            except ValueError:
+                pass
+        base = min(self.backoff_max_s, self.backoff_s * (2**attempt))
+        return base / 2 + random.uniform(0, base / 2)
+
+    async def _send(
+        self, url: str, path: str, payload: bytes | None, headers: dict[str, str] | None, method: str
+    ) -> aiohttp.ClientResponse:
+        return await self.session.request(
+            method, url + path, data=payload, headers={**self.headers, **(headers or {})}
+        )
+
+    async def fetch(
+        self,
+        path: str,
+        payload: bytes | None,
+        key: str,
+        *,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        """Send and read the whole answer, retrying connection errors, 429 and 5xx."""
+        ranked = self.ranked(key)
+        attempt = 0
+        while True:
+            url = ranked[attempt % len(ranked)]
+            version = self.current_version()
+            started = time.perf_counter()
+            try:
+                async with await self._send(url, path, payload, headers, method) as resp:
+                    body = await resp.read()
+                    answer = Answer(
+                        resp.status,
+                        body,
+                        resp.headers.get("Content-Type", "application/json"),
+                        url,
+                        version,
+                        time.perf_counter() - started,
+                        resp.headers.get("Retry-After"),
+                    )
+            except aiohttp.ClientError as exc:
+                if _is_read_timeout(exc) or attempt >= self.retries:
+                    raise UpstreamUnavailable(url, exc, timeout=_is_read_timeout(exc)) from exc
+                self.metrics.upstream_retries.labels(reason="connection").inc()
+                await asyncio.sleep(self._delay(attempt, None))
+                attempt += 1
+                continue
+            except TimeoutError as exc:
+                raise UpstreamUnavailable(url, exc, timeout=True) from exc
+            if _retryable_status(answer.status) and attempt < self.retries:
+                self.metrics.upstream_retries.labels(reason=str(answer.status)).inc()
+                await asyncio.sleep(self._delay(attempt, answer.retry_after))
+                attempt += 1
+                continue
+            return answer
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, payload: bytes, key: str, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[OpenStream]:
+        """Open a streamed answer, retrying until the upstream answers 2xx (or retries run out).
+
+        The body is left unread; leaving the context closes the connection unless the body was read to
+        the end, so an abandoned stream aborts the request upstream.
+        """
+        ranked = self.ranked(key)
+        attempt = 0
+        while True:
+            url = ranked[attempt % len(ranked)]
+            version = self.current_version()
+            started = time.perf_counter()
+            try:
+                resp = await self._send(url, path, payload, headers, "POST")
+            except aiohttp.ClientError as exc:
+                if _is_read_timeout(exc) or attempt >= self.retries:
+                    raise UpstreamUnavailable(url, exc, timeout=_is_read_timeout(exc)) from exc
+                self.metrics.upstream_retries.labels(reason="connection").inc()
+                await asyncio.sleep(self._delay(attempt, None))
+                attempt += 1
+                continue
+            except TimeoutError as exc:
+                raise UpstreamUnavailable(url, exc, timeout=True) from exc
+            if _retryable_status(resp.status) and attempt < self.retries:
+                retry_after = resp.headers.get("Retry-After")
+                resp.close()
+                self.metrics.upstream_retries.labels(reason=str(resp.status)).inc()
+                await asyncio.sleep(self._delay(attempt, retry_after))
+                attempt += 1
+                continue
+            break
+        try:
+            yield OpenStream(resp, url, version, started)
+        finally:
+            if resp.content.at_eof():
+                resp.release()
+            else:
+                resp.close()

@@ -1,0 +1,416 @@
+"""The batched trace writer: the only code that talks to the store, on its own thread.
+
+The response path hands finished calls, rewards and rollout ends to ``TraceWriter.put`` (never blocks, never
+touches the database). One writer thread drains the queue in order: consecutive calls become one
+``store.add_calls(batch)``; a reward or a finish is applied where it stands in the order, so a
+reward never overtakes the calls sent before it.
+
+When the store fails with an outage-type error (connection refused or lost, database not accepting
+connections, SQLite locked) the unwritten items go to the spool and, while the spool holds anything, every
+new item is appended behind them, so order holds across the outage. The spool is replayed with exponential
+backoff until the store answers again. Errors that retrying cannot fix (bad data, illegal transition) send
+the one offending item to the spool's ``.rejected`` file and the rest go on.
+
+Memory is bounded by the admission check in the HTTP layer (``has_room``): while the in-memory queue is at
+its limit (the store is slow but answering), new LLM calls wait before they start; calls already running
+always get their record queued. During an outage the queue drains into the spool, so calls keep flowing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any, Protocol
+
+from harnessrl.store.records import CallRecord, CallStatus, RolloutState
+
+from .metrics import ProxyMetrics
+from .spool import Spool
+
+log = logging.getLogger(__name__)
+
+
+class TraceSink(Protocol):
+    """The part of ``harnessrl.store.TraceStore`` the writer uses."""
+
+    def add_calls(
+        self, calls: Sequence[CallRecord], previous: Mapping[str, CallRecord] | None = None
+    ) -> int: ...
+
+    def set_reward(self, rollout_id: str, attempt: int, value: float, info: dict | None = None) -> None: ...
+
+    def finish_attempt(
+        self, rollout_id: str, attempt: int, state: RolloutState, reason: str | None = None
+    ) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------------ items
+
+
+@dataclass
+class CallItem:
+    record: CallRecord
+
+
+@dataclass
+class RewardItem:
+    rollout_id: str
+    attempt: int
+    value: float
+    info: dict[str, Any] | None = None
+
+
+@dataclass
+class FinishItem:
+    rollout_id: str
+    attempt: int
+    state: RolloutState
+    reason: str | None = None
+
+
+Item = CallItem | RewardItem | FinishItem
+
+_CALL_FIELDS = [f.name for f in fields(CallRecord)]
+
+
+def record_to_json(record: CallRecord) -> dict[str, Any]:
+    out = {name: getattr(record, name) for name in _CALL_FIELDS}
+    out["status"] = record.status.value
+    out["created_at"] = record.created_at.isoformat()
+    out["logprobs"] = [lp if math.isfinite(lp) else None for lp in record.logprobs]
+    return out
+
+
+def record_from_json(data: Mapping[str, Any]) -> CallRecord:
+    values = {name: data[name] for name in _CALL_FIELDS if name in data}
+    values["status"] = CallStatus(values["status"])
+    values["created_at"] = datetime.fromisoformat(values["created_at"])
+    values["logprobs"] = [math.nan if lp is None else lp for lp in values["logprobs"]]
+    return CallRecord(**values)
+
+
+def item_to_json(item: Item) -> dict[str, Any]:
+    if isinstance(item, CallItem):
+        return {"kind": "call", "record": record_to_json(item.record)}
+    if isinstance(item, RewardItem):
+        return {
+            "kind": "reward",
+            "rollout_id": item.rollout_id,
+            "attempt": item.attempt,
+            "value": item.value,
+            "info": item.info,
+        }
+    return {
+        "kind": "finish",
+        "rollout_id": item.rollout_id,
+        "attempt": item.attempt,
+        "state": item.state.value,
+        "reason": item.reason,
+    }
+
+
+def item_from_json(data: Mapping[str, Any]) -> Item:
+    kind = data.get("kind")
+    if kind == "call":
+        return CallItem(record_from_json(data["record"]))
+    if kind == "reward":
+        return RewardItem(data["rollout_id"], int(data["attempt"]), float(data["value"]), data.get("info"))
+    if kind == "finish":
+        return FinishItem(
+            data["rollout_id"], int(data["attempt"]), RolloutState(data["state"]), data.get("reason")
+        )
+    raise ValueError(f"unknown spool item kind {kind!r}")
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Whether retrying later can fix a store error (the database is away), as opposed to bad data."""
+    from sqlalchemy import exc as sa_exc
+
+    if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+        return True
+    if isinstance(
+        exc,
+        (
+            sa_exc.OperationalError,
+            sa_exc.InterfaceError,
+            sa_exc.DisconnectionError,
+            sa_exc.TimeoutError,
+            ConnectionError,
+            TimeoutError,
+        ),
+    ):
+        return True
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - psycopg is a core dependency
+        return False
+    return isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
+class _Outage(Exception):
+    """Internal: the store is away; ``index`` is the first item of the group not known to be written."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+# ----------------------------------------------------------------------------------------------- writer
+
+
+class TraceWriter:
+    """Queue + writer thread + spool. ``put`` from any thread; ``flush``/``close`` block (use a thread)."""
+
+    def __init__(
+        self,
+        store: TraceSink,
+        spool: Spool,
+        metrics: ProxyMetrics,
+        *,
+        batch_size: int = 256,
+        queue_size: int = 10_000,
+        retry_s: float = 0.2,
+        retry_max_s: float = 5.0,
+        linger_s: float = 0.02,
+    ) -> None:
+        self.store = store
+        self.spool = spool
+        self.metrics = metrics
+        self.batch_size = batch_size
+        self.queue_size = queue_size
+        self.retry_s = retry_s
+        self.retry_max_s = retry_max_s
+        self.linger_s = linger_s
+        self._wake = threading.Event()  # set by flush/close to cut a linger short
+        self._queue: queue.SimpleQueue[tuple[int, Item]] = queue.SimpleQueue()
+        self._epoch = uuid.uuid4().hex  # tells this process's spool lines from an earlier process's
+        self._issued = 0  # tickets handed out by put()
+        self._written = 0  # every ticket <= this is in the store (or rejected for good)
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+        self._stopping = threading.Event()
+        self._stop_deadline = math.inf
+        self._next_replay = 0.0
+        self._backoff = retry_s
+        self._thread = threading.Thread(target=self._run, name="harnessrl-trace-writer", daemon=True)
+        metrics.queue_depth.set_function(lambda: self.queued)
+        metrics.spool_pending.set_function(lambda: self.spool.pending)
+
+    # -- producer side -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Items accepted but not yet in the store (queued, being written, or spooled this run)."""
+        return self._issued - self._written
+
+    @property
+    def queued(self) -> int:
+        """Items in memory waiting for the writer thread (spooled items do not count: they are on disk)."""
+        return self._queue.qsize()
+
+    def has_room(self) -> bool:
+        return self._queue.qsize() < self.queue_size
+
+    def put(self, item: Item) -> None:
+        with self._lock:
+            self._issued += 1
+            ticket = self._issued
+        self._queue.put((ticket, item))
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until everything put before this call is in the store; False on timeout (still kept)."""
+        self._wake.set()
+        with self._lock:
+            target = self._issued
+            return self._progress.wait_for(lambda: self._written >= target, timeout)
+
+    def close(self, timeout: float) -> bool:
+        """Stop: write the queue to the store, or to the spool if the store stays away until ``timeout``.
+
+        Returns True when everything reached the store; otherwise the rest is in the spool, replayed by
+        the next proxy started on the same spool path.
+        """
+        self._stop_deadline = time.monotonic() + timeout
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join()
+        self.spool.close()
+        return self.spool.pending == 0 and self.depth == 0
+
+    # -- writer thread -------------------------------------------------------------------------------
+
+    def _mark_written(self, ticket: int | None) -> None:
+        if ticket is None:
+            return
+        with self._lock:
+            if ticket > self._written:
+                self._written = ticket
+                self._progress.notify_all()
+
+    def _take(self, linger: float) -> list[tuple[int, Item]]:
+        """Wait ``linger``, then take what is queued (up to a batch).
+
+        The writer does not block on the queue: a blocked reader is woken by every ``put``, and each wake-up
+        makes the event loop's thread hand the GIL over (measured: ~0.3 ms per call under load). Lingering
+        lets ``put`` stay a plain append and makes batches larger; capture is delayed by at most ``linger``
+        (``flush`` and ``close`` cut it short), never the response.
+        """
+        if self._queue.qsize() < self.batch_size and linger > 0:
+            self._wake.wait(linger)
+            self._wake.clear()
+        batch: list[tuple[int, Item]] = []
+        while len(batch) < self.batch_size:
+            try:
+                batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            stopping = self._stopping.is_set()
+            batch = self._take(0.0 if stopping else self.linger_s)
+            if self.spool.pending:
+                if batch:
+                    self._to_spool(batch)
+                if time.monotonic() >= self._next_replay or stopping:
+                    self._replay()
+            elif batch:
+                self._write(batch)
+            if stopping and self._queue.empty():
+                if self.spool.pending == 0 or time.monotonic() >= self._stop_deadline:
+                    if self.spool.pending:
+                        log.warning(
+                            "trace writer stopping with %d items in the spool %s (the store is "
+                            "away); the next proxy on this spool path replays them",
+                            self.spool.pending,
+                            self.spool.path,
+                        )
+                    return
+                time.sleep(min(self._backoff, max(0.0, self._stop_deadline - time.monotonic())))
+
+    def _to_spool(self, batch: list[tuple[int, Item]]) -> None:
+        entries = []
+        for ticket, item in batch:
+            entry = item_to_json(item)
+            entry["t"] = ticket
+            entry["e"] = self._epoch
+            entries.append(entry)
+        self.spool.append(entries)
+        self.metrics.spooled.inc(len(entries))
+
+    def _write(self, batch: list[tuple[int, Item]]) -> None:
+        start = 0
+        for group in _groups(batch):
+            try:
+                self._apply([item for _, item in group], [None] * len(group))
+            except _Outage as outage:
+                self._enter_outage(outage.cause)
+                self._to_spool(batch[start:])
+                return
+            self._mark_written(group[-1][0])
+            start += len(group)
+
+    def _enter_outage(self, cause: BaseException) -> None:
+        self.metrics.write_errors.labels(kind="outage").inc()
+        log.warning(
+            "trace store unavailable (%s: %s); spooling to %s",
+            type(cause).__name__,
+            str(cause).splitlines()[0] if str(cause) else "",
+            self.spool.path,
+        )
+        self._next_replay = time.monotonic() + self._backoff
+        self._backoff = min(self.retry_max_s, self._backoff * 2)
+
+    def _replay(self) -> None:
+        while self.spool.pending:
+            peeked = self.spool.peek(self.batch_size)
+            if not peeked:  # count and file disagree: only possible if the file was edited by hand
+                self.spool.consume([])
+                break
+            parsed: list[tuple[Item | None, bytes, int | None]] = []
+            for entry, raw in peeked:
+                try:
+                    if entry is None:
+                        raise ValueError("not a JSON object")
+                    item: Item | None = item_from_json(entry)
+                except (KeyError, TypeError, ValueError) as exc:
+                    self.spool.reject(entry, raw, f"unreadable spool line: {exc}")
+                    self.metrics.write_errors.labels(kind="rejected").inc()
+                    item = None
+                ticket = entry.get("t") if entry is not None and entry.get("e") == self._epoch else None
+                parsed.append((item, raw, ticket))
+            for group in _groups(parsed, key=lambda p: p[0]):
+                raws = [raw for _, raw, _ in group]
+                if group[0][0] is not None:
+                    try:
+                        self._apply([item for item, _, _ in group], raws)  # type: ignore[misc]
+                    except _Outage as outage:
+                        self._enter_outage(outage.cause)
+                        return
+                    self.metrics.replayed.inc(len(group))
+                self.spool.consume(raws)
+                tickets = [t for _, _, t in group if isinstance(t, int)]
+                if tickets:
+                    self._mark_written(max(tickets))
+        self._backoff = self.retry_s
+        log.info("trace store answers again: spool %s replayed", self.spool.path)
+
+    def _apply(self, items: list[Item], raws: list[bytes | None]) -> None:
+        """Write one group (consecutive calls, or one reward/finish); raises ``_Outage``."""
+        try:
+            self._apply_once(items)
+            return
+        except Exception as exc:  # classified right below
+            if is_outage(exc):
+                raise _Outage(exc) from exc
+            if len(items) == 1:
+                self._reject(items[0], raws[0], exc)
+                return
+        # A batch failed for a reason other than an outage: find the bad item(s) one by one.
+        for item, raw in zip(items, raws):
+            try:
+                self._apply_once([item])
+            except Exception as exc:
+                if is_outage(exc):
+                    raise _Outage(exc) from exc
+                self._reject(item, raw, exc)
+
+    def _apply_once(self, items: list[Item]) -> None:
+        first = items[0]
+        if isinstance(first, CallItem):
+            # No ``previous``: the store takes each predecessor from this batch or from its stored digests.
+            records = [i.record for i in items]  # type: ignore[union-attr]
+            self.store.add_calls(records)
+            self.metrics.batch_size.observe(len(records))
+        elif isinstance(first, RewardItem):
+            self.store.set_reward(first.rollout_id, first.attempt, first.value, first.info)
+        else:
+            self.store.finish_attempt(first.rollout_id, first.attempt, first.state, first.reason)
+
+    def _reject(self, item: Item, raw: bytes | None, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        log.error("trace store refused an item for good (%s); kept in %s.rejected", message, self.spool.path)
+        self.metrics.write_errors.labels(kind="rejected").inc()
+        self.spool.reject(item_to_json(item), raw, message)
+
+
+def _groups(entries: list[Any], key: Any = lambda e: e[1]) -> list[list[Any]]:
+    """Consecutive calls together (one add_calls); every reward, finish or unreadable line alone, in place."""
+    groups: list[list[Any]] = []
+    for entry in entries:
+        if isinstance(key(entry), CallItem) and groups and isinstance(key(groups[-1][-1]), CallItem):
+            groups[-1].append(entry)
+        else:
+            groups.append([entry])
+    return groups

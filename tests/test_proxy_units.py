@@ -1,0 +1,392 @@
+"""The proxy's pure parts: wire-shape rules, stream assembly, spool, writer, ledger, config, pinning."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from harnessrl.proxy.capture import Attribution, RolloutLedger, build_call_record
+from harnessrl.proxy.config import ConfigError, load_config
+from harnessrl.proxy.metrics import ProxyMetrics
+from harnessrl.proxy.protocol import (
+    ClientWants,
+    RequestError,
+    StreamAssembler,
+    Tokens,
+    client_wants,
+    parse_sse_event,
+    same_message,
+    strip_unrequested,
+    tokens_from_response,
+    upstream_request,
+    validate_request,
+)
+from harnessrl.proxy.spool import Spool
+from harnessrl.proxy.upstreams import UpstreamPool
+from harnessrl.proxy.writer import (
+    CallItem,
+    FinishItem,
+    RewardItem,
+    TraceWriter,
+    item_from_json,
+    item_to_json,
+    record_from_json,
+    record_to_json,
+)
+from harnessrl.store import CallStatus, RolloutState, TraceStore
+
+WHO = Attribution("run", "r", 0)
+
+
+def record(
+    seq: int = 0,
+    prompt: list[int] | None = None,
+    completion: list[int] | None = None,
+    logprobs: list[float] | None = None,
+    rollout: str = "r",
+):
+    completion = [5, 6] if completion is None else completion
+    return build_call_record(
+        who=Attribution("run", rollout, 0),
+        seq=seq,
+        route="chat",
+        request={"messages": [{"role": "user", "content": f"m{seq}"}]},
+        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": "x"}}]},
+        tokens=Tokens(prompt or [1, 2, 3], completion, logprobs or [-0.5] * len(completion), "stop"),
+        policy_version=1,
+        upstream="http://u",
+        latency_s=0.01,
+        status=CallStatus.OK,
+        http_status=200,
+    )
+
+
+# ------------------------------------------------------------------------------------------- protocol
+
+
+def test_train_mode_adds_token_ids_and_logprobs_and_enforces_the_run():
+    chat = upstream_request(
+        "chat",
+        {"model": "x", "messages": [], "temperature": 0.1},
+        train=True,
+        model="served",
+        sampling={"temperature": 1.0, "top_p": 1.0},
+    )
+    assert chat == {
+        "model": "served",
+        "messages": [],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "return_token_ids": True,
+        "logprobs": True,
+    }
+    assert (
+        upstream_request("completions", {"prompt": "a"}, train=True, model=None, sampling={})["logprobs"] == 1
+    )
+    assert (
+        upstream_request("completions", {"prompt": "a", "logprobs": 4}, train=True, model=None, sampling={})[
+            "logprobs"
+        ]
+        == 4
+    )
+    assert (
+        upstream_request("completions", {"prompt": "a", "logprobs": 0}, train=True, model=None, sampling={})[
+            "logprobs"
+        ]
+        == 1
+    )
+    observed = upstream_request(
+        "chat", {"model": "x", "messages": []}, train=False, model=None, sampling={"temperature": 1.0}
+    )
+    assert observed == {"model": "x", "messages": []}
+
+
+def test_client_wants_reflects_only_what_the_harness_asked():
+    assert client_wants("chat", {"logprobs": True}) == ClientWants(token_ids=False, logprobs=True)
+    assert client_wants("chat", {"logprobs": False, "return_token_ids": True}) == ClientWants(True, False)
+    assert client_wants("completions", {"logprobs": 0}) == ClientWants(False, True)
+    assert client_wants("completions", {}) == ClientWants(False, False)
+
+
+def test_strip_unrequested_copies_and_removes_only_unrequested_fields():
+    body = {
+        "prompt_token_ids": [1],
+        "choices": [
+            {"index": 0, "token_ids": [2], "logprobs": {"content": []}, "message": {"content": "hi"}}
+        ],
+    }
+    before = copy.deepcopy(body)
+    out = strip_unrequested(body, ClientWants(token_ids=False, logprobs=False))
+    assert body == before  # untouched: the capture still needs it
+    assert out == {"choices": [{"index": 0, "logprobs": None, "message": {"content": "hi"}}]}
+    assert strip_unrequested(body, ClientWants(True, True)) is body
+    kept = strip_unrequested(body, ClientWants(token_ids=True, logprobs=False))
+    assert kept["prompt_token_ids"] == [1] and kept["choices"][0]["token_ids"] == [2]
+
+
+def test_tokens_from_completions_with_echo_take_the_last_logprobs():
+    body = {
+        "choices": [
+            {
+                "index": 0,
+                "prompt_token_ids": [7, 8],
+                "token_ids": [9, 10],
+                "logprobs": {"token_logprobs": [None, -1.0, -2.0, -3.0]},
+                "finish_reason": "length",
+            }
+        ]
+    }
+    assert tokens_from_response("completions", body) == Tokens([7, 8], [9, 10], [-2.0, -3.0], "length")
+    chat = {
+        "prompt_token_ids": [1],
+        "choices": [{"index": 0, "token_ids": [4], "logprobs": {"content": [{"logprob": -0.25}]}}],
+    }
+    assert tokens_from_response("chat", chat) == Tokens([1], [4], [-0.25], None)
+
+
+def test_validate_request_names_the_bad_field():
+    with pytest.raises(RequestError) as err:
+        validate_request("chat", {"messages": [{"role": "user"}], "logprobs": 1})
+    assert err.value.param == "logprobs"
+    with pytest.raises(RequestError, match="messages\\[1\\]"):
+        validate_request("chat", {"messages": [{"role": "user"}, "hi"]})
+    with pytest.raises(RequestError, match="'n' must be an integer"):
+        validate_request("completions", {"prompt": "x", "n": True})
+
+
+def test_sse_events_parse_data_done_and_opaque_lines():
+    assert parse_sse_event(b"data: [DONE]\n\n").done
+    assert parse_sse_event(b'data: {"a": 1}\n\n').data == {"a": 1}
+    assert parse_sse_event(b'data:{"a":2}\r\n\r\n').data == {"a": 2}
+    opaque = parse_sse_event(b": keep-alive\n\n")
+    assert opaque.data is None and not opaque.done
+    assert parse_sse_event(b"data: {broken\n\n").data is None
+
+
+def test_stream_assembler_rebuilds_tool_calls_and_several_choices():
+    asm = StreamAssembler("chat")
+    chunks = [
+        {
+            "id": "c1",
+            "created": 1,
+            "model": "m",
+            "prompt_token_ids": [1, 2],
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}},
+                {"index": 1, "delta": {"role": "assistant", "content": ""}},
+            ],
+        },
+        {
+            "id": "c1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "ls", "arguments": '{"pa'},
+                            }
+                        ]
+                    },
+                    "token_ids": [11],
+                    "logprobs": {"content": [{"token": "a", "logprob": -0.1}]},
+                }
+            ],
+        },
+        {
+            "id": "c1",
+            "choices": [
+                {
+                    "index": 1,
+                    "delta": {"content": "other"},
+                    "token_ids": [21],
+                    "logprobs": {"content": [{"token": "o", "logprob": -0.9}]},
+                }
+            ],
+        },
+        {
+            "id": "c1",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'th": "."}'}}]},
+                    "token_ids": [12],
+                    "logprobs": {"content": [{"token": "b", "logprob": -0.2}]},
+                    "finish_reason": "tool_calls",
+                }
+            ],
+        },
+        {"id": "c1", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}},
+    ]
+    for chunk in chunks:
+        asm.feed(chunk)
+    assert asm.tokens() == Tokens([1, 2], [11, 12], [-0.1, -0.2], "tool_calls")
+    out = asm.response()
+    msg = out["choices"][0]["message"]
+    assert msg["tool_calls"] == [
+        {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}
+    ]
+    assert out["choices"][1]["message"]["content"] == "other" and out["choices"][1]["token_ids"] == [21]
+    assert out["usage"]["completion_tokens"] == 3 and out["prompt_token_ids"] == [1, 2]
+
+
+def test_same_message_ignores_server_defaults():
+    reply = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "reasoning": None}
+    assert same_message({"role": "assistant", "content": "hi"}, reply)
+    assert not same_message({"role": "assistant", "content": "hi!"}, reply)
+    assert not same_message({"role": "user", "content": "hi"}, reply)
+
+
+# -------------------------------------------------------------------------------------- capture, ledger
+
+
+def test_ledger_numbers_calls_and_bounds_last_calls_by_tokens():
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=20)
+    a, b = ("a", 0), ("b", 0)
+    assert [ledger.next_seq(a) for _ in range(3)] == [0, 1, 2] and ledger.next_seq(b) == 0
+    ledger.remember(a, record(0, prompt=[1] * 8, completion=[2]))
+    ledger.remember(b, record(0, prompt=[1] * 8, completion=[2], rollout="b"))
+    assert ledger.held_tokens == 20
+    second = record(1, prompt=[1] * 9, completion=[2])
+    ledger.remember(a, second)
+    last = ledger.last_call(a)
+    assert last is not None and last.call_id == second.call_id and list(last.prompt_token_ids) == [1] * 9
+    assert last.messages == second.request["messages"] and last.reply == {"role": "assistant", "content": "x"}
+    assert ledger.last_call(b) is None  # evicted to stay within the token budget
+    ledger.forget(a)
+    assert ledger.last_call(a) is None and ledger.held_tokens == 0
+    assert ledger.next_seq(a) == 3  # the counter survives: late calls never reuse a number
+
+
+def test_ledger_bounds_rollout_counters():
+    ledger = RolloutLedger(max_rollouts=2, max_tokens=100)
+    for name in "abc":
+        ledger.next_seq((name, 0))
+    assert len(ledger) == 2
+
+
+def test_records_round_trip_through_spool_json_bit_exactly():
+    rec = record(logprobs=[-0.1, math.nan], completion=[1, 2])
+    rec.logprobs[0] = -1.2345678901234567e-07
+    back = record_from_json(json.loads(json.dumps(record_to_json(rec))))
+    assert back.logprobs[0] == rec.logprobs[0] and math.isnan(back.logprobs[1])
+    assert back.created_at == rec.created_at and back.status is CallStatus.OK
+    assert (back.call_id, back.request, back.prompt_token_ids) == (
+        rec.call_id,
+        rec.request,
+        rec.prompt_token_ids,
+    )
+    for item in (RewardItem("r", 1, 0.5, {"a": 1}), FinishItem("r", 0, RolloutState.FAILED, "boom")):
+        assert item_from_json(json.loads(json.dumps(item_to_json(item)))) == item
+
+
+# ------------------------------------------------------------------------------------------------ spool
+
+
+def test_spool_appends_replays_in_order_and_truncates(tmp_path: Path):
+    spool = Spool(tmp_path / "s.jsonl")
+    spool.append([{"n": 1}, {"n": 2}])
+    spool.append([{"n": 3}])
+    assert spool.pending == 3
+    first = spool.peek(2)
+    assert [e["n"] for e, _ in first] == [1, 2]
+    spool.consume([raw for _, raw in first[:1]])
+    assert [e["n"] for e, _ in spool.peek(10)] == [2, 3]
+    spool.consume([raw for _, raw in spool.peek(10)])
+    assert spool.pending == 0 and (tmp_path / "s.jsonl").stat().st_size == 0
+    spool.close()
+
+
+def test_spool_cuts_a_torn_line_and_counts_what_survived(tmp_path: Path):
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(b'{"n":1}\n{"n":2}\n{"n":3, "trunc')
+    spool = Spool(path)
+    assert spool.pending == 2 and [e["n"] for e, _ in spool.peek(10)] == [1, 2]
+    spool.append([{"n": 4}])
+    assert [e["n"] for e, _ in spool.peek(10)] == [1, 2, 4]
+    spool.close()
+
+
+# ----------------------------------------------------------------------------------------------- writer
+
+
+@pytest.fixture
+def sqlite_store(tmp_path: Path):
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'w.db'}")
+    store.upgrade()
+    yield store
+    store.close()
+
+
+def test_writer_keeps_order_and_sets_rejected_items_aside(sqlite_store: TraceStore, tmp_path: Path):
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics(), batch_size=4)
+    writer.start()
+    for seq in range(6):
+        writer.put(CallItem(record(seq)))
+    writer.put(RewardItem("no-such-rollout", 0, 1.0))  # the store refuses it for good
+    writer.put(RewardItem("r", 0, 0.75))
+    writer.put(FinishItem("r", 0, RolloutState.SUCCEEDED))
+    assert writer.flush(30)
+    assert writer.close(5)
+    assert [c.seq for c in sqlite_store.read_calls("r", 0)] == list(range(6))
+    attempt = sqlite_store.get_attempt("r", 0)
+    assert attempt.reward == 0.75 and attempt.state is RolloutState.SUCCEEDED
+    [rejected] = [json.loads(line) for line in (tmp_path / "s.jsonl.rejected").read_text().splitlines()]
+    assert rejected["item"]["rollout_id"] == "no-such-rollout" and "does not exist" in rejected["error"]
+
+
+def test_writer_replays_a_spool_left_by_an_earlier_process(sqlite_store: TraceStore, tmp_path: Path):
+    calls = [record(seq) for seq in range(3)]
+    spool = Spool(tmp_path / "s.jsonl")
+    spool.append([item_to_json(CallItem(c)) for c in calls] + [item_to_json(RewardItem("r", 0, 2.0))])
+    spool.append([item_to_json(CallItem(calls[1]))])  # a duplicate replay is harmless
+    spool.close()
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics())
+    writer.start()
+    writer.put(CallItem(record(3)))  # queued behind the spool, so order holds
+    assert writer.flush(30)
+    writer.close(5)
+    assert [c.call_id for c in sqlite_store.read_calls("r", 0)] == [c.call_id for c in calls] + [
+        sqlite_store.read_calls("r", 0)[3].call_id
+    ]
+    assert sqlite_store.get_attempt("r", 0).reward == 2.0
+
+
+# ------------------------------------------------------------------------------------------ config, pins
+
+
+def test_config_reads_the_sidecar_environment_and_flags_win(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HARNESSRL_UPSTREAMS", "http://a:8000, http://b:8000/")
+    monkeypatch.setenv("HARNESSRL_STORE_URL", "sqlite:///x.db")
+    monkeypatch.setenv("HARNESSRL_ROLLOUT_ID", "r-9")
+    monkeypatch.setenv("HARNESSRL_ATTEMPT", "2")
+    monkeypatch.setenv("HARNESSRL_PROXY_PORT", "9100")
+    monkeypatch.setenv("HARNESSRL_SAMPLING", '{"temperature": 1.0}')
+    monkeypatch.setenv("HARNESSRL_POLICY_VERSION", "7")
+    cfg = load_config()
+    assert cfg.upstreams == ["http://a:8000", "http://b:8000"] and cfg.sidecar
+    assert (cfg.rollout_id, cfg.attempt, cfg.proxy_port, cfg.policy_version) == ("r-9", 2, 9100, 7)
+    assert cfg.sampling == {"temperature": 1.0} and cfg.continuity_enabled
+    assert load_config(proxy_port=9200, upstreams=["http://c:1"]).proxy_port == 9200
+    monkeypatch.setenv("HARNESSRL_ATTEMPT", "-1")
+    with pytest.raises(ConfigError, match=r"attempt \(--attempt or HARNESSRL_ATTEMPT\)"):
+        load_config()
+
+
+def test_rendezvous_pinning_is_stable_and_moves_few_rollouts():
+    three = UpstreamPool(["http://a", "http://b", "http://c"], None, lambda: 0)  # type: ignore[arg-type]
+    four = UpstreamPool(["http://a", "http://b", "http://c", "http://d"], None, lambda: 0)  # type: ignore[arg-type]
+    keys = [f"rollout-{i}" for i in range(2000)]
+    before = {k: three.ranked(k)[0] for k in keys}
+    assert before == {k: three.ranked(k)[0] for k in keys}
+    moved = [k for k in keys if four.ranked(k)[0] != before[k]]
+    assert all(four.ranked(k)[0] == "http://d" for k in moved)  # only to the new upstream
+    counts = {u: list(before.values()).count(u) for u in three.urls}
+    assert min(counts.values()) > 500  # spread over all three
