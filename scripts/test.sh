@@ -15,7 +15,7 @@ else
 fi
 trap stop_postgres EXIT
 set +e
-python -m pytest "$@"
+pytest "$@"
 rc=$?
 set -e
 if [ "$rc" = 5 ]; then echo "pytest collected no tests"; rc=0; fi

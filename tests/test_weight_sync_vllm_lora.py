@@ -14,7 +14,7 @@ import pytest
 import torch
 from learner_helpers import Sample, record_group, sample_completions
 from test_weight_sync_vllm import PROBE_PROMPTS, hf_greedy, server_greedy
-from vllm_fixtures import _kill_group, start_vllm, tiny_model_dir  # noqa: F401 - pytest fixture
+from vllm_fixtures import start_test_vllm, tiny_model_dir  # noqa: F401 - pytest fixture
 
 from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
@@ -31,12 +31,12 @@ ADAPTER = "policy"
 def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        proc, server = start_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-lora") / "vllm.log",
-                                  extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"])
+        server = start_test_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-lora") / "vllm.log",
+                                 extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"])
     try:
         yield server
     finally:
-        _kill_group(proc)
+        server.stop()
 
 
 def peft_greedy(base: Path, adapter: Path, prompt: list[int], n: int = 12) -> list[int]:

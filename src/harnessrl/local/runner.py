@@ -248,7 +248,8 @@ class LocalRun:
     def _spawn(self, name: str, command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         with open(self.run_dir / f"{name}.log", "ab") as log:
             # Own session: Ctrl-C reaches only the runner, which stops the children in order.
-            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+            # cwd: the run directory, never a checkout root whose operator/ could shadow the stdlib's.
+            proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self._children[name] = proc
         return proc

@@ -121,7 +121,7 @@ def start_vllm(model_dir: Path, log_path: Path, *, served_name: str = "policy", 
         proc = subprocess.Popen(
             vllm_command(Path(model_dir), port, served_name, max_model_len, cpu, extra_args),
             env=vllm_env(log_path.parent / "torchinductor", cpu), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_path.parent,
         )
     deadline = time.monotonic() + timeout_s
     try:
