@@ -93,17 +93,21 @@ def _trained_steps(store: TraceStore) -> list[dict]:
 
 def test_every_call_is_captured_token_exactly(finished_run) -> None:
     _, store = finished_run
-    calls = 0
+    succeeded = 0
     for attempt in store.list_attempts("e2e"):
-        for call in store.read_calls(attempt.rollout_id, attempt.attempt):
+        calls = store.read_calls(attempt.rollout_id, attempt.attempt)
+        for call in calls:
             if call.status is not CallStatus.OK:
                 continue
-            calls += 1
             assert call.prompt_token_ids and call.completion_token_ids
             assert len(call.logprobs) == len(call.completion_token_ids)
             assert all(lp <= 0.0 and math.isfinite(lp) for lp in call.logprobs)
-            assert call.policy_version <= STEPS
-    assert calls >= STEPS * 4 * 4 * 2  # every trained rollout made two calls
+            assert 0 <= call.policy_version <= STEPS
+        if attempt.state is RolloutState.SUCCEEDED:
+            succeeded += 1
+            # the example harness makes two calls; both were captured, in order, as OK calls
+            assert [c.seq for c in calls] == [0, 1] and all(c.status is CallStatus.OK for c in calls)
+    assert succeeded >= STEPS * 4
 
 
 def test_versions_advance_and_vllm_serves_each_new_checkpoint(finished_run) -> None:
@@ -112,13 +116,13 @@ def test_versions_advance_and_vllm_serves_each_new_checkpoint(finished_run) -> N
     assert [v.version for v in versions] == list(range(STEPS + 1))
     assert all(v.synced for v in versions)
     served = {call.policy_version for a in store.list_attempts("e2e") for call in store.read_calls(a.rollout_id, a.attempt)}
-    assert set(range(STEPS)) <= served  # calls were served by every version before the last
-    steps = _trained_steps(store)
-    # With maxStaleness 0 each step trains on tokens served by the weights the learner holds; their log-probs
-    # agree only if vLLM really loaded each synced checkpoint.
-    checked = [m for m in steps if m.get("logprob_tokens")]
-    assert len(checked) >= STEPS - 1
-    for metrics in checked:
+    assert len(served) >= STEPS - 2 and max(served) >= STEPS - 1  # calls went to the new versions as they came
+    # With maxStaleness 0 every token a step trains on was served by the weights the learner holds; their
+    # log-probs agree only if vLLM really loaded each synced checkpoint.
+    trained = [m for m in _trained_steps(store) if m["trained_rollouts"]]
+    assert len(trained) >= STEPS - 2
+    for metrics in trained:
+        assert metrics["logprob_tokens"] == metrics["trained_target_tokens"], metrics
         assert metrics["logprob_pearson"] > 0.99, metrics
         assert metrics["logprob_abs_diff"] < 0.05, metrics
 
