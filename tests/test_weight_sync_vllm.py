@@ -148,7 +148,7 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         # stale prefix-cache entries would pass the greedy check and fail this one).
         for prompt in PROBE_PROMPTS:
             tokens, served = server_logprobs(vllm_server.base_url, vllm_server.model, prompt)
-            assert served == pytest.approx(hf_logprobs(published, prompt, tokens), abs=2e-3)
+            assert served == pytest.approx(hf_logprobs(published, prompt, tokens), abs=1e-2)
 
         # new calls through the proxy are labelled with the new version
         store.add_tasks(RUN, [{"id": "next"}])
