@@ -46,3 +46,21 @@ def test_bad_settings_name_the_option(tiny: Path, tmp_path: Path, args: list[str
                  "--output", str(tmp_path / "out"), *args)
     assert proc.returncode == 2
     assert names in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_spec_owns_the_algorithm_flags(tiny: Path, tmp_path: Path):
+    spec = Path(__file__).resolve().parents[1] / "examples" / "vowels" / "trainingrun.yaml"
+    proc = learn("--spec", str(spec), "--store", f"sqlite:///{tmp_path / 's.db'}", "--model", str(tiny),
+                 "--output", str(tmp_path / "out"), "--lr", "0.1", "--zero-stage", "3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--lr, --zero-stage: set in the TrainingRun's spec.learner" in proc.stderr
+
+
+def test_a_bad_spec_names_its_problems(tiny: Path, tmp_path: Path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: harnessrl.io/v1alpha1\nkind: TrainingRun\nmetadata: {name: x}\n"
+                   "spec: {model: {path: m}, harness: {command: [h], tasks: {inline: [{id: a}]}, groupSize: 0}}\n")
+    proc = learn("--spec", str(bad), "--store", f"sqlite:///{tmp_path / 's.db'}", "--model", str(tiny),
+                 "--output", str(tmp_path / "out"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "spec.harness.groupSize" in proc.stderr
