@@ -43,9 +43,10 @@ def _check_int(value: Any, what: str, minimum: int | None = None) -> int:
     return value
 
 
-def _check_json(value: Any, what: str) -> None:
+def _json_text(value: Any, what: str) -> str:
+    """The stored JSON text (checked once here, then written as is where the driver allows)."""
     try:
-        codec.dumps(value)
+        return codec.dumps(value)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{what} is not storable JSON ({exc})") from None
 
@@ -62,7 +63,10 @@ class PreparedCall:
     response: dict[str, Any] | None
     response_stripped: list[list[Any]] | None
     anchor: delta.Anchor
+    input_digests: list[bytes] | None  # message prefix digests, reused by every encode
     encoded: delta.Encoded | None = field(default=None)
+    request_text: str | None = field(default=None)  # JSON of encoded.request
+    response_text: str | None = field(default=None)  # JSON of response ("null" when None: stored as NULL)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -75,10 +79,22 @@ class PreparedCall:
 
     def encode(self, anchor: delta.Anchor | None) -> dict[str, Any]:
         """Encode against ``anchor`` (None: in full), check the stored JSON, and return the row."""
-        self.encoded = delta.encode(self.prompt_bytes, self.record.request, anchor)
-        _check_json(self.encoded.request, "request")
-        _check_json(self.response, "response")
+        self.encoded = delta.encode(self.prompt_bytes, self.record.request, anchor, self.input_digests)
+        self.request_text = _json_text(self.encoded.request, "request")
+        if self.response_text is None:
+            self.response_text = _json_text(self.response, "response")
         return self.row()
+
+    def json_texts(self) -> dict[str, str | None]:
+        """The JSON columns as the text ``encode`` already produced (None = SQL NULL), to write as is."""
+        assert self.request_text is not None, "encode() first"
+        return {
+            "request": self.request_text,
+            "response": None if self.response is None else self.response_text,
+            "response_stripped": None
+            if self.response_stripped is None
+            else codec.dumps(self.response_stripped),
+        }
 
     def row(self) -> dict[str, Any]:
         r, e, a = self.record, self.encoded, self.anchor
@@ -157,11 +173,11 @@ def prepare_call(record: CallRecord) -> PreparedCall:
     response, stripped = codec.strip_response(
         record.response, record.prompt_token_ids, record.completion_token_ids, record.logprobs
     )
-    anchor = delta.make_anchor(
+    anchor, input_digests = delta.describe(
         record.call_id, prompt_bytes, completion_bytes, record.request, record.response
     )
     return PreparedCall(
-        record, prompt_bytes, completion_bytes, logprob_bytes, f64, response, stripped, anchor
+        record, prompt_bytes, completion_bytes, logprob_bytes, f64, response, stripped, anchor, input_digests
     )
 
 

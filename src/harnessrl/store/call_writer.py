@@ -1,17 +1,20 @@
 """Writing a batch of calls: validate, skip stored call_ids, encode against predecessors, insert once.
 
-The whole batch is one transaction and one multi-row ``INSERT ... ON CONFLICT (call_id) DO NOTHING``
-(SQLAlchemy's insertmanyvalues pages it), so a replayed or concurrently written call_id is skipped without
-touching the stored row. A predecessor is taken from the same batch or from its stored row's digests, never
-from memory alone, so a delta always references a row that exists.
+The whole batch is one transaction and one insert: on SQLite a multi-row ``INSERT ... ON CONFLICT (call_id)
+DO NOTHING`` (SQLAlchemy's insertmanyvalues pages it), on PostgreSQL a COPY with the same semantics (see
+``call_copy``), so a replayed or concurrently written call_id is skipped without touching the stored row. A predecessor is taken from the
+same batch or from its stored row's digests, never from memory alone, so a delta always references a row
+that exists. JSON columns are written as the text ``encode`` produced when it checked them (serialised once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
-from sqlalchemy import Connection, select, tuple_, update
+from sqlalchemy import Connection, Text, bindparam, select, tuple_, update
 
+from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
 from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
 from harnessrl.store.delta import Anchor
 from harnessrl.store.records import CallRecord, RolloutState, utcnow
@@ -54,20 +57,36 @@ def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, Pre
         in_batch.setdefault(p.key, p)
     wanted = {k for p in new if (k := p.predecessor_key) is not None and k not in in_batch}
     stored = _stored_anchors(conn, wanted)
-    rows, problems = [], {}
+    rows: list[tuple[PreparedCall, dict[str, Any]]] = []
+    problems: dict[str, str] = {}
     for p in new:
         key = p.predecessor_key
         anchor = None if key is None else in_batch[key].anchor if key in in_batch else stored.get(key)
         try:
-            rows.append(p.encode(anchor))
+            rows.append((p, p.encode(anchor)))
         except ValueError as exc:
             problems[p.record.call_id] = str(exc)
     if problems:
         raise InvalidCall(problems)
     _ensure_attempts(conn, insert, new)
-    inserted = set(conn.scalars(insert(LlmCall).on_conflict_do_nothing().returning(LlmCall.call_id), rows))
+    if conn.dialect.name == "postgresql":
+        inserted = copy_insert(conn, rows)
+    else:
+        inserted = set(conn.scalars(_insert_with_json_text(insert), [_with_json_text(p, r) for p, r in rows]))
     _unlink_from_skipped(conn, new, inserted)
     return len(inserted)
+
+
+def _insert_with_json_text(insert: DialectInsert) -> Any:
+    """The plain insert, but the JSON columns bound as the text ``encode`` produced (not serialised again)."""
+    texts = {name: bindparam(f"{name}__text", type_=Text()) for name in JSON_COLUMNS}
+    return insert(LlmCall).values(texts).on_conflict_do_nothing().returning(LlmCall.call_id)
+
+
+def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:
+    params = {k: v for k, v in row.items() if k not in JSON_COLUMNS}
+    params.update((f"{name}__text", text) for name, text in p.json_texts().items())
+    return params
 
 
 def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:

@@ -14,11 +14,14 @@ position; anything that differs in the slightest stays in the JSON, so the round
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from typing import Any
 
 import numpy as np
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+_INT32 = next(code for code in "ilh" if array(code).itemsize == 4)  # C int is 4 bytes on every target
 
 
 def dumps(value: Any) -> str:
@@ -49,6 +52,15 @@ def pack_ids(ids: list[int], what: str = "token ids") -> bytes:
     """int32 little-endian bytes; ValueError naming ``what`` for non-integers or values out of range."""
     if len(ids) == 0:
         return b""
+    try:  # the common case at C speed: ``array`` refuses floats, strings and nesting, and checks the range
+        packed = array(_INT32, ids)
+    except (TypeError, OverflowError):
+        pass  # numpy below finds what is wrong and names it
+    else:
+        if type(ids[0]) is not bool or not _only(ids, bool):  # numpy refuses an all-bool list: so do we
+            if sys.byteorder != "little":
+                packed.byteswap()
+            return packed.tobytes()
     arr = np.asarray(ids)
     if arr.dtype.kind not in "iu" or arr.ndim != 1:
         raise ValueError(f"{what} must be a flat list of integers")
@@ -88,20 +100,23 @@ def unpack_logprobs(blob: bytes, is_float64: bool) -> list[float]:
 CHAT_LOGPROB_KEYS = ["token", "logprob", "bytes", "top_logprobs"]  # vLLM / OpenAI field order
 
 
+def _only(values: list[Any], kind: type) -> bool:
+    """Every element is exactly of type ``kind`` (not a subclass: ``True`` is no token id); C-speed loop."""
+    return set(map(type, values)) <= {kind}
+
+
 def _same_ints(value: Any, expected: list[int]) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) == len(expected)
-        and all(type(v) is int for v in value)
-        and value == expected
-    )
+    return isinstance(value, list) and len(value) == len(expected) and value == expected and _only(value, int)
 
 
 def _same_floats(value: Any, expected: list[float]) -> bool:
     """Equal down to the bit pattern (so -0.0 never stands in for 0.0)."""
-    if not isinstance(value, list) or len(value) != len(expected) or not all(type(v) is float for v in value):
+    if not isinstance(value, list) or len(value) != len(expected) or not _only(value, float):
         return False
-    return np.asarray(value, dtype=np.float64).tobytes() == np.asarray(expected, dtype=np.float64).tobytes()
+    try:
+        return array("d", value).tobytes() == array("d", expected).tobytes()
+    except TypeError:  # ``expected`` holds something numpy converts and array does not (e.g. numeric text)
+        return np.asarray(value, np.float64).tobytes() == np.asarray(expected, np.float64).tobytes()
 
 
 def token_bytes(token: str) -> list[int]:
@@ -110,17 +125,30 @@ def token_bytes(token: str) -> list[int]:
 
 
 def _chat_logprob_tokens(content: Any, logprobs: list[float]) -> list[str] | None:
-    """Token strings, if every entry is exactly {token, logprob (ours), bytes (utf-8), top_logprobs: []}."""
+    """Token strings, if every entry is exactly {token, logprob (ours), bytes (utf-8), top_logprobs: []}.
+
+    ``bytes`` is compared as ``bytes(...)`` (C speed, no list built per token), which also refuses a float
+    such as ``104.0`` that equals the byte but would come back as an int.
+    """
     if not isinstance(content, list) or len(content) != len(logprobs) or not content:
         return None
     tokens: list[str] = []
-    for entry in content:
-        if not isinstance(entry, dict) or list(entry) != CHAT_LOGPROB_KEYS:
-            return None
-        token = entry["token"]
-        if type(token) is not str or entry["top_logprobs"] != [] or entry["bytes"] != token_bytes(token):
-            return None
-        tokens.append(token)
+    append = tokens.append
+    try:
+        for entry in content:
+            if not isinstance(entry, dict) or list(entry) != CHAT_LOGPROB_KEYS:
+                return None
+            token, byte_list = entry["token"], entry["bytes"]
+            if (
+                type(token) is not str
+                or entry["top_logprobs"] != []
+                or type(byte_list) is not list
+                or bytes(byte_list) != token.encode("utf-8", errors="replace")
+            ):
+                return None
+            append(token)
+    except (TypeError, ValueError):  # a byte that is no int in 0..255: not what the token encodes
+        return None
     if not _same_floats([entry["logprob"] for entry in content], logprobs):
         return None
     return tokens

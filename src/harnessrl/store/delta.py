@@ -65,16 +65,16 @@ def _item_text(item: Any) -> bytes:
     return json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
 
 
-def _list_digests(items: list[Any], lengths: set[int]) -> dict[int, bytes]:
-    """Digests of ``items[:n]`` for each requested n, in one pass (items are separated by a byte JSON never
-    contains unescaped, so different splits cannot collide)."""
+def prefix_digests(items: list[Any]) -> list[bytes]:
+    """Digests of ``items[:n]`` for every n (index n), in one pass (items are separated by a byte JSON never
+    contains unescaped, so different splits cannot collide). Computed once per call and kept, because the
+    JSON text of each message is what costs."""
     h = hashlib.blake2b(b"L", digest_size=DIGEST_SIZE)
-    found = {0: h.copy().digest()} if 0 in lengths else {}
-    for n, item in enumerate(items, start=1):
+    found = [h.copy().digest()]
+    for item in items:
         h.update(_item_text(item))
         h.update(b"\x1e")
-        if n in lengths:
-            found[n] = h.copy().digest()
+        found.append(h.copy().digest())
     return found
 
 
@@ -123,30 +123,44 @@ def make_anchor(
     response: dict[str, Any] | None,
 ) -> Anchor:
     """The anchor of a full call (its stored digest columns are exactly these values)."""
+    return describe(call_id, prompt_bytes, completion_bytes, request, response)[0]
+
+
+def describe(
+    call_id: str,
+    prompt_bytes: bytes,
+    completion_bytes: bytes,
+    request: dict[str, Any],
+    response: dict[str, Any] | None,
+) -> tuple[Anchor, list[bytes] | None]:
+    """The call's anchor, and the prefix digests of its chat messages (None for a text prompt or neither):
+    ``encode`` takes them back so the messages are serialised and hashed once per call, not twice."""
     context_len = (len(prompt_bytes) + len(completion_bytes)) // 4
     context_digest = tokens_digest(prompt_bytes + completion_bytes)
     request_in = request_input(request)
     if request_in is None:
-        return Anchor(call_id, context_len, context_digest, None, None, None, None)
+        return Anchor(call_id, context_len, context_digest, None, None, None, None), None
     output = request_output(request_in, response)
     if isinstance(request_in, str):
         io = None if output is None else join_io(request_in, output)
-        return Anchor(
+        anchor = Anchor(
             call_id, context_len, context_digest,
             len(request_in), _text_digest(request_in),
             None if io is None else len(io), None if io is None else _text_digest(io),
         )  # fmt: skip
+        return anchor, None
     io_list = request_in if output is None else join_io(request_in, output)
-    digests = _list_digests(io_list, {len(request_in), len(io_list)})
+    digests = prefix_digests(io_list)
     has_io = output is not None
-    return Anchor(
+    anchor = Anchor(
         call_id, context_len, context_digest,
         len(request_in), digests[len(request_in)],
         len(io_list) if has_io else None, digests[len(io_list)] if has_io else None,
     )  # fmt: skip
+    return anchor, digests[: len(request_in) + 1]
 
 
-def _reused_input(request_in: RequestInput, anchor: Anchor) -> int:
+def _reused_input(request_in: RequestInput, anchor: Anchor, input_digests: list[bytes] | None) -> int:
     """How many leading items/characters of ``request_in`` equal the anchor's io or input (longest wins)."""
     candidates = [
         (length, digest)
@@ -160,7 +174,7 @@ def _reused_input(request_in: RequestInput, anchor: Anchor) -> int:
             if _text_digest(request_in[:length]) == digest:
                 return length
         return 0
-    digests = _list_digests(request_in, {length for length, _ in candidates})
+    digests = input_digests if input_digests is not None else prefix_digests(request_in)
     for length, digest in candidates:
         if digests[length] == digest:
             return length
@@ -171,8 +185,11 @@ def encode(
     prompt_bytes: bytes,
     request: dict[str, Any],
     anchor: Anchor | None,
+    input_digests: list[bytes] | None = None,
 ) -> Encoded:
-    """Encode one call against its predecessor's anchor (or in full when there is none or nothing matches)."""
+    """Encode one call against its predecessor's anchor (or in full when there is none or nothing matches).
+
+    ``input_digests``: this call's message prefix digests from ``describe``, if already computed."""
     offset = 0
     reused = 0
     stored_request = request
@@ -186,7 +203,7 @@ def encode(
             offset = n
         request_in = request_input(request)
         if request_in is not None:
-            reused = _reused_input(request_in, anchor)
+            reused = _reused_input(request_in, anchor, input_digests)
             if reused:
                 stored_request = dict(request)
                 stored_request[_input_key(request)] = request_in[reused:]

@@ -8,6 +8,8 @@ timeout. Reads stay plain ``BEGIN`` so they never queue behind writers.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -55,7 +57,16 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     dbapi_connection.isolation_level = None  # SQLAlchemy's begin hook below emits BEGIN itself
     cursor = dbapi_connection.cursor()
     cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.execute("PRAGMA journal_mode = WAL")
+    # Switching a new database to WAL takes an exclusive lock and SQLite does not always run the busy handler
+    # for it, so several processes opening one fresh file at once can see "database is locked": retry briefly.
+    for attempt in range(100):
+        try:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            break
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 99:
+                raise
+            time.sleep(0.05)
     cursor.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints; safe against corruption in WAL
     cursor.execute("PRAGMA foreign_keys = ON")
     cursor.close()

@@ -1,0 +1,156 @@
+"""Trace-store write throughput: ``TraceStore.add_calls`` on SQLite and PostgreSQL beside the raw COPY ceiling.
+
+The proxy's writer thread runs ``add_calls`` and shares the GIL with the request path, so every millisecond of
+Python it spends per call is taken from serving. This measures that cost on realistic calls: chat trajectories
+from ``tests/synthetic_calls.py`` (a 1k-token system prompt, short observations, 200-token completions,
+vLLM-shaped request/response with token ids and chat log-probs), each call resending the whole history, so all
+but the first call of a rollout are stored as deltas. Calls are written in batches (default 256) ordered by
+turn across rollouts, the way the proxy's queue interleaves live rollouts; each call's predecessor is either
+in the same batch or already stored.
+
+Printed per database: calls/s by wall time and CPU ms per call of this process (the GIL cost). For PostgreSQL
+also the ceiling: COPY of the same rows, already encoded, into a temp table from one client.
+
+    python bench/store_write.py                       # SQLite and PostgreSQL, 2048 calls each
+    python bench/store_write.py --profile postgresql  # cProfile of the add_calls batches, top 25 by tottime
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from synthetic_calls import chat_trajectory
+
+from harnessrl.store import CallRecord, TraceStore, codec
+from harnessrl.store.call_rows import prepare_call
+
+DEFAULT_PG = "postgresql+psycopg://postgres@/postgres?host=/var/run/postgresql"
+
+
+def make_calls(rollouts: int, turns: int) -> list[CallRecord]:
+    """``rollouts`` x ``turns`` calls, interleaved by turn (what a proxy serving many rollouts writes)."""
+    per_rollout = [
+        chat_trajectory(
+            f"r{r}", turns, system_tokens=1000, observation_tokens=60, completion_tokens=200, seed=r
+        )
+        for r in range(rollouts)
+    ]
+    return [trajectory[t] for t in range(turns) for trajectory in per_rollout]
+
+
+def write_rate(url: str, calls: list[CallRecord], batch: int, profile: bool) -> tuple[float, float]:
+    """(calls/s by wall time, CPU ms per call) of ``add_calls`` over ``calls`` in batches of ``batch``."""
+    store = TraceStore.connect(url)
+    store.upgrade()
+    profiler = cProfile.Profile() if profile else None
+    wall, cpu = time.perf_counter(), time.process_time()
+    if profiler:
+        profiler.enable()
+    for start in range(0, len(calls), batch):
+        inserted = store.add_calls(calls[start : start + batch])
+        assert inserted == len(calls[start : start + batch]), "benchmark calls must all be new"
+    if profiler:
+        profiler.disable()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    store.close()
+    if profiler:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    return len(calls) / wall, cpu / len(calls) * 1e3
+
+
+def copy_ceiling(url: str, calls: list[CallRecord]) -> float:
+    """Calls/s for COPY of the same calls' rows (encoded in full beforehand) into a temp table, one client."""
+    import psycopg
+
+    rows = [prepare_call(c).encode(None) for c in calls]
+    columns = list(rows[0])
+    json_cols = {"request", "response", "response_stripped"}
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo) as conn:
+        conn.execute("CREATE TEMP TABLE copy_ceiling (LIKE llm_calls)")
+        start = time.perf_counter()
+        with conn.cursor() as cur, cur.copy(f"COPY copy_ceiling ({', '.join(columns)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(
+                    [
+                        codec.dumps(row[c]) if c in json_cols and row[c] is not None else row[c]
+                        for c in columns
+                    ]
+                )
+        conn.commit()
+        return len(rows) / (time.perf_counter() - start)
+
+
+@contextmanager
+def fresh_pg_database(admin_url: str) -> Iterator[str]:
+    admin = create_engine(
+        make_url(admin_url).set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT"
+    )
+    name = f"harnessrl_bench_{uuid.uuid4().hex[:10]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield (
+            make_url(admin_url)
+            .set(drivername="postgresql+psycopg", database=name)
+            .render_as_string(hide_password=False)
+        )
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=256, help="rollouts written side by side")
+    parser.add_argument("--turns", type=int, default=8, help="calls per rollout")
+    parser.add_argument("--batch", type=int, default=256, help="calls per add_calls")
+    parser.add_argument("--only", choices=["sqlite", "postgresql"], help="measure one database")
+    parser.add_argument("--profile", choices=["sqlite", "postgresql"], help="cProfile this database's run")
+    parser.add_argument(
+        "--pg",
+        default=os.environ.get("HARNESSRL_BENCH_PG_URL")
+        or os.environ.get("HARNESSRL_TEST_PG_URL")
+        or DEFAULT_PG,
+    )
+    args = parser.parse_args()
+    calls = make_calls(args.rollouts, args.turns)
+    prompt = sum(len(c.prompt_token_ids) for c in calls) / len(calls)
+    print(
+        f"{len(calls)} calls ({args.rollouts} rollouts x {args.turns} turns), mean prompt {prompt:.0f} tokens, "
+        f"200 completion tokens, batches of {args.batch}, {os.cpu_count()} CPUs (shared)"
+    )
+    targets = [args.only] if args.only else ["sqlite", "postgresql"]
+    for db in targets:
+        if db == "sqlite":
+            with tempfile.TemporaryDirectory() as tmp:
+                rate, cpu_ms = write_rate(f"sqlite:///{tmp}/store.db", calls, args.batch, args.profile == db)
+            print(f"sqlite      add_calls: {rate:8,.0f} calls/s, {cpu_ms:.3f} CPU ms/call in this process")
+        else:
+            with fresh_pg_database(args.pg) as url:
+                rate, cpu_ms = write_rate(url, calls, args.batch, args.profile == db)
+                ceiling = copy_ceiling(url, calls)
+            print(f"postgresql  add_calls: {rate:8,.0f} calls/s, {cpu_ms:.3f} CPU ms/call in this process")
+            print(
+                f"postgresql  COPY ceiling (pre-encoded rows): {ceiling:8,.0f} calls/s; add_calls = "
+                f"{rate / ceiling:.2f}x of it"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""PostgreSQL fast path for inserting ``llm_calls`` rows: COPY instead of one huge ``INSERT ... VALUES``.
+
+A multi-row ``INSERT ... VALUES`` of a 256-call batch is a statement of ~8,000 parameters that psycopg parses
+anew for every batch (its statement cache skips long queries): that Python work ran on the proxy's writer
+thread and took the GIL from the request path. COPY streams the rows with no statement to parse.
+
+The writer has just checked which call_ids are stored, so the rows are copied straight into ``llm_calls``
+under a savepoint. Only when another writer stored one of them in between (a unique violation) are they
+copied into a temp table and moved with ``INSERT ... SELECT ... ORDER BY call_id ON CONFLICT (call_id) DO
+NOTHING RETURNING call_id``, the plain insert's exact semantics (idempotent on call_id, one lock order).
+The temp table lives for the session, is emptied at every commit and is named after the column list, so a
+connection that outlives a schema change gets a fresh one. JSON columns are sent as the text the call's
+encoding already produced, so nothing is serialised twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from psycopg.errors import UniqueViolation
+from sqlalchemy import Connection
+
+from harnessrl.store.call_rows import PreparedCall
+from harnessrl.store.schema import LlmCall
+
+JSON_COLUMNS = ("request", "response", "response_stripped")
+_COLUMNS = [c.name for c in LlmCall.__table__.columns]
+_TEMP = "harnessrl_llm_calls_in_" + hashlib.blake2b(",".join(_COLUMNS).encode(), digest_size=4).hexdigest()
+_COLUMN_LIST = ", ".join(_COLUMNS)
+CREATE_TEMP = f"CREATE TEMP TABLE IF NOT EXISTS {_TEMP} (LIKE llm_calls) ON COMMIT DELETE ROWS"
+COPY_IN = f"COPY {_TEMP} ({_COLUMN_LIST}) FROM STDIN"
+COPY_DIRECT = f"COPY llm_calls ({_COLUMN_LIST}) FROM STDIN"
+MOVE = (
+    f"INSERT INTO llm_calls ({_COLUMN_LIST}) SELECT {_COLUMN_LIST} FROM {_TEMP} ORDER BY call_id "
+    "ON CONFLICT (call_id) DO NOTHING RETURNING call_id"
+)
+
+
+def _bind_processors(conn: Connection) -> list[Callable[[Any], Any] | None]:
+    """SQLAlchemy's own bind conversions per column (e.g. timestamps to UTC), as the plain insert applies."""
+    return [
+        None if c.name in JSON_COLUMNS else c.type.bind_processor(conn.dialect)
+        for c in LlmCall.__table__.columns
+    ]
+
+
+def _values(p: PreparedCall, row: dict[str, Any], processors: list[Callable[[Any], Any] | None]) -> list[Any]:
+    row = {**row, **p.json_texts()}
+    out = []
+    for name, process in zip(_COLUMNS, processors, strict=True):
+        value = row[name]
+        out.append(process(value) if process is not None and value is not None else value)
+    return out
+
+
+def copy_insert(conn: Connection, calls: Sequence[tuple[PreparedCall, dict[str, Any]]]) -> set[str]:
+    """Insert the (call, row) pairs inside the caller's transaction; returns the call_ids inserted.
+
+    Rows go in call_id order (the caller sorts them), so concurrent writers take row locks in one order.
+    """
+    processors = _bind_processors(conn)
+    values = [_values(p, row, processors) for p, row in calls]
+    cursor = conn.connection.driver_connection.cursor()  # the psycopg connection, in SQLAlchemy's transaction
+    try:
+        try:
+            with conn.begin_nested():
+                _copy(cursor, COPY_DIRECT, values)
+            return {p.record.call_id for p, _ in calls}
+        except UniqueViolation:
+            pass
+        cursor.execute(CREATE_TEMP)
+        _copy(cursor, COPY_IN, values)
+        cursor.execute(MOVE)
+        return {r[0] for r in cursor.fetchall()}
+    finally:
+        cursor.close()
+
+
+def _copy(cursor: Any, statement: str, values: list[list[Any]]) -> None:
+    with cursor.copy(statement) as copy:
+        for row in values:
+            copy.write_row(row)
