@@ -59,7 +59,8 @@ def test_kill_between_save_and_commit_then_resume(tiny: Path, tmp_path: Path):
     assert set(ledger.consumed_by(1)) == groups[0]
     assert ledger.consumed_by(2) == []  # trained, saved, but not committed
     assert (out / "versions" / "v000002" / "model.safetensors").is_file()  # the uncommitted leftover
-    leftover_inode = (out / "versions" / "v000002").stat().st_ino
+    marker = out / "versions" / "v000002" / "leftover-marker"
+    marker.write_text("written into the uncommitted leftover")  # an inode number could be reused; a file cannot
 
     resumed = subprocess.run(
         [sys.executable, "-m", "harnessrl.cli", "learn", "--store", url, "--run", RUN, "--model", str(tiny),
@@ -76,7 +77,8 @@ def test_kill_between_save_and_commit_then_resume(tiny: Path, tmp_path: Path):
     assert all(v.synced for v in versions)
     consumed = {step: set(ledger.consumed_by(step)) for step in (1, 2, 3)}
     assert consumed == {1: groups[0], 2: groups[1], 3: groups[2]}  # each group exactly once
-    assert (out / "versions" / "v000002").stat().st_ino != leftover_inode  # step 2 was redone and re-published
+    assert not marker.exists()  # the leftover was discarded; step 2 was redone and re-published
+    assert (out / "versions" / "v000002" / "model.safetensors").is_file()
     assert sorted(p.name for p in (out / "versions").iterdir()) == ["v000001", "v000002", "v000003"]
     assert sorted(p.name for p in (out / "engine").iterdir() if p.is_dir()) == ["v000003"]
     assert ledger.claim(1, 4) is None
