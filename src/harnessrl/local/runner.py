@@ -142,9 +142,9 @@ class LocalRun:
             return 0
         serving = Path(ledger.version(version).checkpoint_path) if version else self.model_dir
         interrupted = False
-        with ExitStack() as stack:
-            stack.callback(self._stop_children)
+        with ExitStack() as stack:  # unwinds in reverse: harnesses, then learner and proxy, then vLLM
             upstream = self._upstream(stack, serving)
+            stack.callback(self._stop_children)
             if version and not ledger.version(version).synced:
                 ledger.mark_synced(version)  # the server was just started on that very checkpoint
             proxy_url = self._start_proxy(upstream, version)
