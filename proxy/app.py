@@ -380,18 +380,7 @@ class CaptureProxy:
         except UpstreamUnavailable as exc:
             return self._unavailable(route, who, body, exc, started)
         except asyncio.CancelledError:
-            self.capture(
-                who,
-                route,
-                body,
-                None,
-                Tokens(),
-                policy_version=self.versions.current(),
-                upstream="",
-                started=started,
-                status=CallStatus.ABORTED,
-                http_status=HTTP_CLIENT_CLOSED,
-            )
+            self._capture_abandoned(who, route, body, started)
             raise
         self.metrics.upstream_latency.labels(route).observe(answer.seconds)
         if not 200 <= answer.status < 300:
@@ -439,6 +428,21 @@ class CaptureProxy:
             rendered=rendered,
         )
         return web.Response(body=out, status=answer.status, content_type="application/json")
+
+    def _capture_abandoned(self, who: Attribution, route: Route, body: dict[str, Any], started: float) -> None:
+        """Record a call the harness gave up on before any upstream answer reached it (stored as aborted)."""
+        self.capture(
+            who,
+            route,
+            body,
+            None,
+            Tokens(),
+            policy_version=self.versions.current(),
+            upstream="",
+            started=started,
+            status=CallStatus.ABORTED,
+            http_status=HTTP_CLIENT_CLOSED,
+        )
 
     def _unavailable(
         self, route: Route, who: Attribution, body: dict[str, Any], exc: UpstreamUnavailable, started: float
@@ -564,18 +568,7 @@ class CaptureProxy:
             return self._unavailable(route, who, body, exc, started)
         except asyncio.CancelledError:
             if not relaying:
-                self.capture(
-                    who,
-                    route,
-                    body,
-                    None,
-                    Tokens(),
-                    policy_version=self.versions.current(),
-                    upstream="",
-                    started=started,
-                    status=CallStatus.ABORTED,
-                    http_status=HTTP_CLIENT_CLOSED,
-                )
+                self._capture_abandoned(who, route, body, started)
             raise
 
     async def _relay(
