@@ -28,13 +28,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+from store_write import copy_ceiling, fresh_pg_database
 
 PROMPT_TOKENS = 1000
 COMPLETION_TOKENS = 200
@@ -45,6 +44,53 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by these processes (those that exited count as 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def postgres_pids() -> list[int]:
+    """The PostgreSQL server's processes on this machine (the benchmark's database is local)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() == "postgres":
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@dataclass
+class CpuShare:
+    """CPU milliseconds per call, by process, over one measured load."""
+
+    client: float
+    upstream: float
+    proxy: float
+    postgres: float
+
+
+class CpuMeter:
+    def __init__(self, upstream: int, proxy: int) -> None:
+        self.groups = {"client": lambda: [os.getpid()], "upstream": lambda: [upstream],
+                       "proxy": lambda: [proxy], "postgres": postgres_pids}  # fmt: skip
+        self.start = {name: cpu_s(pids()) for name, pids in self.groups.items()}
+
+    def per_call(self, calls: int) -> CpuShare:
+        used = {name: cpu_s(pids()) - self.start[name] for name, pids in self.groups.items()}
+        return CpuShare(**{name: seconds / calls * 1e3 for name, seconds in used.items()})
 
 
 def rss_mib(pid: int) -> float:
@@ -115,113 +161,65 @@ async def load(base: str, calls: int, concurrency: int, stream: bool, gateway: b
         return Result(latencies, time.perf_counter() - start)
 
 
-def copy_ceiling(pg_url: str, rows: int) -> float:
-    """Calls/s for COPY of already-encoded llm_calls rows of the benchmark's size into a scratch table."""
-    import psycopg
+async def upstream_answer(direct: str) -> bytes:
+    """One chat answer from the fake upstream, as the proxy asks for it (token ids and log-probs)."""
+    body = {
+        "model": "m",
+        "max_tokens": COMPLETION_TOKENS,
+        "messages": [{"role": "user", "content": "x" * PROMPT_TOKENS}],
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{direct}/v1/chat/completions", json=body) as resp,
+    ):
+        return await resp.read()
 
+
+def captured_records(answer: bytes, calls: int, tag: str) -> list:
+    """``calls`` records of the proxy's benchmark call, as its capture builds them from ``answer`` (each
+    decoded afresh, so none shares objects with another): 64 rollouts, interleaved by turn."""
     from harnessrl.proxy.capture import Attribution, build_call_record
-    from harnessrl.proxy.fake_upstream import completion_ids, encode, render_chat, token_logprob
-    from harnessrl.proxy.protocol import Tokens
-    from harnessrl.store import CallStatus, codec
-    from harnessrl.store.call_rows import prepare_call
+    from harnessrl.proxy.protocol import loads, tokens_from_response
+    from harnessrl.store import CallStatus
 
-    messages = [{"role": "user", "content": "x" * PROMPT_TOKENS}]
-    prompt = encode(render_chat(messages))[:PROMPT_TOKENS]
-    encoded = []
-    for i in range(rows):
-        ids = completion_ids(COMPLETION_TOKENS, i)
-        response = {
-            "id": f"c{i}",
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(f" t{t}" for t in ids)},
-                    "finish_reason": "length",
-                    "token_ids": ids,
-                }
-            ],
-            "prompt_token_ids": prompt,
-        }
-        rec = build_call_record(
-            who=Attribution("bench", f"copy-{i % 64}", 0),
-            seq=i // 64,
-            route="chat",
-            request={"model": "m", "messages": messages, "max_tokens": COMPLETION_TOKENS},
-            response=response,
-            tokens=Tokens(prompt, ids, [token_logprob(t) for t in ids], "length"),
-            policy_version=0,
-            upstream="http://u",
-            latency_s=0.01,
-            status=CallStatus.OK,
-            http_status=200,
-        )
-        encoded.append(prepare_call(rec).encode(None))
-    columns = list(encoded[0])
-    json_cols = {"request", "response", "response_stripped"}
-    conninfo = make_url(pg_url).set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(conninfo) as conn:
-        conn.execute("CREATE TEMP TABLE copy_ceiling (LIKE llm_calls)")
-        start = time.perf_counter()
-        with conn.cursor() as cur, cur.copy(f"COPY copy_ceiling ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in encoded:
-                copy.write_row(
-                    [
-                        codec.dumps(row[c]) if c in json_cols and row[c] is not None else row[c]
-                        for c in columns
-                    ]
-                )
-        conn.commit()
-        return rows / (time.perf_counter() - start)
-
-
-def writer_drain_rate(pg_url: str, calls: int, tmp: Path) -> float:
-    """Calls/s the proxy's writer thread sustains into the store (its queue pre-filled, no HTTP)."""
-    from harnessrl.proxy.capture import Attribution, build_call_record
-    from harnessrl.proxy.fake_upstream import completion_ids, encode, render_chat, token_logprob
-    from harnessrl.proxy.metrics import ProxyMetrics
-    from harnessrl.proxy.protocol import Tokens
-    from harnessrl.proxy.spool import Spool
-    from harnessrl.proxy.writer import CallItem, TraceWriter
-    from harnessrl.store import CallStatus, TraceStore
-
-    messages = [{"role": "user", "content": "x" * PROMPT_TOKENS}]
-    prompt = encode(render_chat(messages))[:PROMPT_TOKENS]
-    store = TraceStore.connect(pg_url)
-    writer = TraceWriter(store, Spool(tmp / "drain.spool"), ProxyMetrics(), batch_size=256)
-    items = []
+    records = []
     for i in range(calls):
-        ids = completion_ids(COMPLETION_TOKENS, i)
-        response = {
-            "id": f"c{i}",
-            "object": "chat.completion",
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "".join(f" t{t}" for t in ids)},
-                    "finish_reason": "length",
-                    "token_ids": ids,
-                }
-            ],
-            "prompt_token_ids": prompt,
-        }
-        items.append(
-            CallItem(
-                build_call_record(
-                    who=Attribution("bench", f"drain-{i % 64}", 0),
-                    seq=i // 64,
-                    route="chat",
-                    request={"model": "m", "messages": messages, "max_tokens": COMPLETION_TOKENS},
-                    response=response,
-                    tokens=Tokens(prompt, ids, [token_logprob(t) for t in ids], "length"),
-                    policy_version=0,
-                    upstream="http://u",
-                    latency_s=0.01,
-                    status=CallStatus.OK,
-                    http_status=200,
-                )
+        response = loads(answer)
+        records.append(
+            build_call_record(
+                who=Attribution("bench", f"{tag}-{i % 64}", 0),
+                seq=i // 64,
+                route="chat",
+                request={"model": "m", "messages": [{"role": "user", "content": "x" * PROMPT_TOKENS}]},
+                response=response,
+                tokens=tokens_from_response("chat", response),
+                policy_version=0,
+                upstream="http://u",
+                latency_s=0.01,
+                status=CallStatus.OK,
+                http_status=200,
             )
         )
+    return records
+
+
+def writer_drain_rate(pg_url: str, answer: bytes, calls: int, tmp: Path) -> tuple[float, float]:
+    """Calls/s the proxy's writer thread sustains into the store (its queue pre-filled, no HTTP), and the
+    microseconds per call the proxy spends preparing each call for it on the request path."""
+    from harnessrl.proxy.metrics import ProxyMetrics
+    from harnessrl.proxy.spool import Spool
+    from harnessrl.proxy.writer import CallItem, TraceWriter
+    from harnessrl.store import TraceStore
+
+    records = captured_records(answer, calls, "drain")
+    start = time.perf_counter()
+    items = [CallItem.of(record) for record in records]
+    prepare_us = (time.perf_counter() - start) / calls * 1e6
+    del records
+    store = TraceStore.connect(pg_url)
+    writer = TraceWriter(store, Spool(tmp / "drain.spool"), ProxyMetrics(), batch_size=256)
     for item in items:
         writer.put(item)
     start = time.perf_counter()
@@ -231,7 +229,7 @@ def writer_drain_rate(pg_url: str, calls: int, tmp: Path) -> float:
     rate = calls / (time.perf_counter() - start)
     writer.close(10)
     store.close()
-    return rate
+    return rate, prepare_us
 
 
 def stop_servers(proxy: subprocess.Popen, upstream: subprocess.Popen) -> tuple[int, int]:
@@ -301,13 +299,21 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         await wait_healthy(f"{proxied}/healthz")
         await load(direct, 50, 8, False, False, "warm")
         await load(proxied, 50, 8, False, True, "warm")
+        answer = await upstream_answer(direct)
         sent += 50
         rows = []
         plan = [(1, False), (1, True), (64, False), (64, True)]
+        cpu: dict[str, CpuShare] = {}
         for concurrency, stream in plan:
             n = args.calls_c1 if concurrency == 1 else args.calls_c64
+            meter = CpuMeter(upstream.pid, proxy.pid)
             d = await load(direct, n, concurrency, stream, False, "d")
+            if (concurrency, stream) == (64, False):
+                cpu["direct"] = meter.per_call(n)
+            meter = CpuMeter(upstream.pid, proxy.pid)
             p = await load(proxied, n, concurrency, stream, True, f"p{concurrency}{int(stream)}")
+            if (concurrency, stream) == (64, False):
+                cpu["proxied"] = meter.per_call(n)
             sent += n
             rows.append((concurrency, stream, d, p))
             if "1k" not in rss and sent >= 1000:
@@ -339,17 +345,35 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         direct_cells = (d.pct(0.5) * 1e3, d.pct(0.99) * 1e3, d.throughput)
         proxy_cells = (p.pct(0.5) * 1e3, p.pct(0.99) * 1e3, p.throughput)
         print(row.format(concurrency, mode, *direct_cells, *proxy_cells, added, p.throughput / d.throughput))
+    print("\nCPU ms per call at concurrency 64, unary (capture to PostgreSQL runs after each answer):")
+    print(
+        "{:>8} | {:>7} {:>8} {:>7} {:>8} | {:>7}".format(
+            "", "client", "upstream", "proxy", "postgres", "total"
+        )
+    )
+    for name, share in cpu.items():
+        parts = (share.client, share.upstream, share.proxy, share.postgres)
+        print("{:>8} | {:>7.3f} {:>8.3f} {:>7.3f} {:>8.3f} | {:>7.3f}".format(name, *parts, sum(parts)))
+    if "direct" in cpu and "proxied" in cpu:
+        d, p = cpu["direct"], cpu["proxied"]
+        base = d.client + d.upstream
+        print(
+            f"with every core busy, throughput goes as 1 / CPU per call: a proxy costing nothing, with the "
+            f"database's measured share, would reach {base / (base + p.postgres):.2f}x direct here; the proxy's "
+            f"own {p.proxy:.3f} ms per call is {p.proxy / base:.1f}x what client and upstream spend together"
+        )
     stored = stored_calls(pg_url)
     print(
         f"\nproxied calls sent: {sent}; stored: {stored} ({'all' if stored == sent else 'MISSING SOME'}); "
         f"flush ok: {flushed}; proxy exit code on SIGTERM: {proxy_rc}"
     )
-    ceiling = copy_ceiling(pg_url, args.copy_rows)
-    drain = writer_drain_rate(pg_url, args.copy_rows, tmp)
+    ceiling = copy_ceiling(pg_url, captured_records(answer, args.copy_rows, "copy"))
+    drain, prepare_us = writer_drain_rate(pg_url, answer, args.copy_rows, tmp)
     print(f"PostgreSQL COPY ceiling (pre-encoded rows, one client): {ceiling:,.0f} calls/s")
     print(
         f"proxy writer sustained rate (encode + add_calls batches, queue pre-filled): {drain:,.0f} calls/s "
-        f"= {drain / ceiling:.2f}x the ceiling"
+        f"= {drain / ceiling:.2f}x the ceiling; preparing a call for it costs the request path "
+        f"{prepare_us:.0f} us"
     )
     if soak is not None:
         end_to_end = soak_calls / capture_seconds
@@ -373,29 +397,14 @@ def main() -> None:
     args.calls_c1, args.calls_c64, args.total, args.copy_rows = (
         (100, 500, 2000, 1000) if args.quick else (500, 3000, 20000, 3000)
     )
-    admin = create_engine(
-        make_url(args.pg).set(drivername="postgresql+psycopg"), isolation_level="AUTOCOMMIT"
-    )
-    name = f"harnessrl_bench_{uuid.uuid4().hex[:10]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    pg_url = (
-        make_url(args.pg)
-        .set(drivername="postgresql+psycopg", database=name)
-        .render_as_string(hide_password=False)
-    )
-    try:
-        from harnessrl.store import TraceStore
+    from harnessrl.store import TraceStore
 
+    with fresh_pg_database(args.pg) as pg_url:
         store = TraceStore.connect(pg_url)
         store.upgrade()
         store.close()
         with tempfile.TemporaryDirectory() as tmp:
             asyncio.run(run(args, pg_url, Path(tmp)))
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
 
 
 if __name__ == "__main__":

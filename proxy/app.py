@@ -281,7 +281,7 @@ class CaptureProxy:
             http_status=http_status,
         )
         self.ledger.remember(who.key, record, rendered)
-        self.writer.put(CallItem(record))
+        self.writer.put(CallItem.of(record))
         self.metrics.calls.labels(route, status.value).inc()
         self.metrics.prompt_tokens.inc(len(tokens.prompt_token_ids))
         self.metrics.completion_tokens.inc(len(tokens.completion_token_ids))

@@ -12,8 +12,8 @@ Both maps are bounded (least recently used first out): the counters by count, th
 they hold. A counter that fell out would restart numbering, so its bound is large
 (``HARNESSRL_LIVE_ROLLOUTS``).
 
-Why not the whole last ``CallRecord`` (to hand to ``store.add_calls(previous=...)``): the store computes
-deltas from digests kept on the stored rows and ignores ``previous``, and a full record with its decoded
+Why not the whole last ``CallRecord``: the store computes deltas from digests kept on the stored rows, so
+it needs no predecessor in memory, and a full record with its decoded
 response costs ~220 kB of Python objects for a 1k+200-token call -- the proxy's RSS grew by ~400 MB over
 20k calls across 500 rollouts (bench/proxy_overhead.py) before the ledger was made slim.
 """

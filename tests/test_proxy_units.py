@@ -390,3 +390,74 @@ def test_rendezvous_pinning_is_stable_and_moves_few_rollouts():
     assert all(four.ranked(k)[0] == "http://d" for k in moved)  # only to the new upstream
     counts = {u: list(before.values()).count(u) for u in three.urls}
     assert min(counts.values()) > 500  # spread over all three
+
+
+def _vllm_chat_record(seq: int = 0, rollout: str = "r"):
+    """A record the way capture builds it from a vLLM chat answer with token ids and log-probs."""
+    tokens, logprobs = [" a", "é", "\U0001f600"], [-0.25, -1.5, -0.0]
+    response = {
+        "id": "c",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(tokens)},
+                "logprobs": {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, logprobs, strict=True)
+                    ]
+                },
+                "token_ids": [7, 8, 9],
+            }
+        ],
+        "prompt_token_ids": [1, 2, 3],
+    }
+    return build_call_record(
+        who=Attribution("run", rollout, 0),
+        seq=seq,
+        route="chat",
+        request={"messages": [{"role": "user", "content": f"m{seq}"}]},
+        response=response,
+        tokens=tokens_from_response("chat", response),
+        policy_version=1,
+        upstream="http://u",
+        latency_s=0.01,
+        status=CallStatus.OK,
+        http_status=200,
+    )
+
+
+def test_a_queued_call_holds_its_prepared_form_and_rebuilds_bit_exact(tmp_path: Path):
+    original = _vllm_chat_record()
+    expected = copy.deepcopy(original)
+    item = CallItem.of(original)
+    # queued: packed arrays and the stripped response, not the decoded log-prob entries
+    assert item.call is not original and item.call.record.response is None
+    assert item.call.response["choices"][0]["logprobs"]["content"] == [" a", "é", "\U0001f600"]
+    assert item.record == expected and original == expected  # capture's record is left as it was
+    # through the spool (an outage) and back: still the same call, to the bit
+    again = item_from_json(json.loads(json.dumps(item_to_json(item))))
+    assert again.record == expected
+    assert math.copysign(1.0, again.record.logprobs[2]) == -1.0
+
+
+def test_a_call_the_store_would_refuse_is_queued_as_captured(sqlite_store: TraceStore, tmp_path: Path):
+    bad = _vllm_chat_record(rollout="r" * 200)  # longer than the store allows
+    item = CallItem.of(bad)
+    assert item.call is bad  # not prepared: the writer hands it over and the store names the problem
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics())
+    writer.start()
+    writer.put(item)
+    good = _vllm_chat_record()
+    expected = copy.deepcopy(good)
+    writer.put(CallItem.of(good))
+    assert writer.flush(30)
+    writer.close(5)
+    [rejected] = [json.loads(line) for line in (tmp_path / "s.jsonl.rejected").read_text().splitlines()]
+    assert "rollout_id" in rejected["error"] and rejected["item"]["record"]["rollout_id"] == "r" * 200
+    [stored] = sqlite_store.read_calls("r", 0)  # the prepared call next to it was stored, bit-exact
+    assert (stored.call_id, stored.response, stored.logprobs) == (
+        expected.call_id,
+        expected.response,
+        expected.logprobs,
+    )

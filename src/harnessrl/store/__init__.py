@@ -4,7 +4,7 @@ Import the public names from here; the modules behind them (schema, codec, delta
 implementation detail.
 """
 
-from harnessrl.store.call_rows import InvalidCall
+from harnessrl.store.call_rows import InvalidCall, PreparedCall, prepare_call
 from harnessrl.store.delta import StoreCorruption
 from harnessrl.store.engine import StoreError
 from harnessrl.store.records import AttemptRecord, CallRecord, CallStatus, RolloutState, StoredCall
@@ -19,6 +19,7 @@ __all__ = [
     "IllegalTransition",
     "InvalidCall",
     "NotFound",
+    "PreparedCall",
     "RolloutState",
     "StoreCorruption",
     "StoreError",
@@ -26,4 +27,5 @@ __all__ = [
     "TraceStore",
     "check_transition",
     "is_legal",
+    "prepare_call",
 ]

@@ -9,7 +9,7 @@ context only as long as a successor may reference it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
@@ -53,7 +53,13 @@ def _json_text(value: Any, what: str) -> str:
 
 @dataclass
 class PreparedCall:
-    """A validated record with everything computed that does not depend on its predecessor."""
+    """A validated record with everything computed that does not depend on its predecessor.
+
+    ``record.response`` is None here: the response lives on as ``response`` (without the arrays it repeats)
+    and ``full_record()`` puts it back together. A call waiting in a writer's queue then holds packed arrays
+    and a few small objects, not the ~600 decoded containers of a chat response's log-probs that Python's
+    cyclic collector would scan again at every collection while it waits.
+    """
 
     record: CallRecord
     prompt_bytes: bytes
@@ -67,6 +73,18 @@ class PreparedCall:
     encoded: delta.Encoded | None = field(default=None)
     request_text: str | None = field(default=None)  # JSON of encoded.request
     response_text: str | None = field(default=None)  # JSON of response ("null" when None: stored as NULL)
+
+    def full_record(self) -> CallRecord:
+        """The record as it was given to ``prepare_call`` (its response restored, bit-exact)."""
+        r = self.record
+        response = codec.restore_response(
+            codec.copy_json(self.response),
+            self.response_stripped,
+            r.prompt_token_ids,
+            r.completion_token_ids,
+            r.logprobs,
+        )
+        return replace(r, response=response)
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -177,7 +195,15 @@ def prepare_call(record: CallRecord) -> PreparedCall:
         record.call_id, prompt_bytes, completion_bytes, record.request, record.response
     )
     return PreparedCall(
-        record, prompt_bytes, completion_bytes, logprob_bytes, f64, response, stripped, anchor, input_digests
+        replace(record, response=None),
+        prompt_bytes,
+        completion_bytes,
+        logprob_bytes,
+        f64,
+        response,
+        stripped,
+        anchor,
+        input_digests,
     )
 
 

@@ -29,16 +29,18 @@ ANCHOR_COLUMNS = (
 Key = tuple[str, int, int]  # (rollout_id, attempt, seq)
 
 
-def prepare_batch(calls: Sequence[CallRecord]) -> dict[str, PreparedCall]:
-    """Validate every call (``InvalidCall`` names all bad ones); the first of a repeated call_id wins."""
+def prepare_batch(calls: Sequence[CallRecord | PreparedCall]) -> dict[str, PreparedCall]:
+    """Validate every call not prepared yet (``InvalidCall`` names all bad ones); the first of a repeated
+    call_id wins."""
     problems: dict[str, str] = {}
     prepared: dict[str, PreparedCall] = {}
-    for index, record in enumerate(calls):
+    for index, call in enumerate(calls):
+        record = call.record if isinstance(call, PreparedCall) else call
         name = record.call_id if isinstance(record.call_id, str) and record.call_id else f"#{index}"
         if name in prepared:
             continue
         try:
-            prepared[name] = prepare_call(record)
+            prepared[name] = call if isinstance(call, PreparedCall) else prepare_call(call)
         except ValueError as exc:
             problems[name] = str(exc)
     if problems:

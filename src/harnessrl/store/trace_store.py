@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, func, select, update
@@ -19,7 +19,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store import codec, migrate
-from harnessrl.store.call_rows import CallRebuilder, check_id, stored_call_from_row
+from harnessrl.store.call_rows import CallRebuilder, PreparedCall, check_id, stored_call_from_row
 from harnessrl.store.call_writer import prepare_batch, write_calls
 from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
 from harnessrl.store.records import AttemptRecord, CallRecord, RolloutState, StoredCall, utcnow
@@ -346,17 +346,17 @@ class TraceStore:
 
     # --- LLM calls -----------------------------------------------------------------------------------------
 
-    def add_calls(self, calls: Sequence[CallRecord], previous: Mapping[str, CallRecord] | None = None) -> int:
+    def add_calls(self, calls: Sequence[CallRecord | PreparedCall]) -> int:
         """Store calls, skipping call_ids already stored; returns how many were newly inserted.
 
         Each call is delta-encoded against its predecessor (same rollout attempt, seq - 1) when that is in
         this batch or already stored; a predecessor not yet stored means the call is stored in full, so a
-        delta never references a row that does not exist. ``previous`` is accepted for callers that hold the
-        predecessors in memory, but the store does not need it: stored rows carry the digests a successor
-        is checked against. Invalid calls raise ``InvalidCall`` naming them; then nothing of the batch is
-        written. Missing run, rollout and attempt rows are created (attempt state running).
+        delta never references a row that does not exist (stored rows carry the digests a successor is
+        checked against, so no predecessor is needed in memory). A call may come already prepared
+        (``prepare_call``; the proxy does that as it captures). Invalid calls raise ``InvalidCall`` naming
+        them; then nothing of the batch is written. Missing run, rollout and attempt rows are created
+        (attempt state running).
         """
-        del previous  # see the docstring: the stored digests are authoritative
         prepared = prepare_batch(calls)
         if not prepared:
             return 0
