@@ -701,7 +701,7 @@ class CaptureProxy:
         info = body.get("info")
         if info is not None and not isinstance(info, dict):
             raise RequestError("'info' must be a JSON object (or left out)", param="info")
-        self.writer.put(RewardItem(who.rollout_id, who.attempt, float(value), info))
+        self.writer.put(RewardItem(who.rollout_id, who.attempt, float(value), info, who.run))
         return json_response(
             {"rollout_id": who.rollout_id, "attempt": who.attempt, "value": float(value), "accepted": True}
         )
@@ -718,7 +718,7 @@ class CaptureProxy:
             )
         error = body.get("error")
         reason = None if error is None else (error if isinstance(error, str) else json.dumps(error))
-        self.writer.put(FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason))
+        self.writer.put(FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason, who.run))
         self.ledger.forget(who.key)
         return json_response(
             {"rollout_id": who.rollout_id, "attempt": who.attempt, "status": status, "accepted": True}

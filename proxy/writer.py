@@ -43,10 +43,18 @@ class TraceSink(Protocol):
 
     def add_calls(self, calls: Sequence[CallRecord | PreparedCall]) -> int: ...
 
-    def set_reward(self, rollout_id: str, attempt: int, value: float, info: dict | None = None) -> None: ...
+    def set_reward(
+        self, rollout_id: str, attempt: int, value: float, info: dict | None = None, *, run: str | None = None
+    ) -> None: ...
 
     def finish_attempt(
-        self, rollout_id: str, attempt: int, state: RolloutState, reason: str | None = None
+        self,
+        rollout_id: str,
+        attempt: int,
+        state: RolloutState,
+        reason: str | None = None,
+        *,
+        run: str | None = None,
     ) -> None: ...
 
 
@@ -84,18 +92,24 @@ class CallItem:
 
 @dataclass
 class RewardItem:
+    """A reward; with ``run`` the store creates an attempt no call has reached yet instead of refusing it."""
+
     rollout_id: str
     attempt: int
     value: float
     info: dict[str, Any] | None = None
+    run: str | None = None
 
 
 @dataclass
 class FinishItem:
+    """A rollout end; ``run`` as for ``RewardItem``."""
+
     rollout_id: str
     attempt: int
     state: RolloutState
     reason: str | None = None
+    run: str | None = None
 
 
 Item = CallItem | RewardItem | FinishItem
@@ -129,6 +143,7 @@ def item_to_json(item: Item) -> dict[str, Any]:
             "attempt": item.attempt,
             "value": item.value,
             "info": item.info,
+            "run": item.run,
         }
     return {
         "kind": "finish",
@@ -136,6 +151,7 @@ def item_to_json(item: Item) -> dict[str, Any]:
         "attempt": item.attempt,
         "state": item.state.value,
         "reason": item.reason,
+        "run": item.run,
     }
 
 
@@ -144,10 +160,16 @@ def item_from_json(data: Mapping[str, Any]) -> Item:
     if kind == "call":
         return CallItem(record_from_json(data["record"]))
     if kind == "reward":
-        return RewardItem(data["rollout_id"], int(data["attempt"]), float(data["value"]), data.get("info"))
+        return RewardItem(
+            data["rollout_id"], int(data["attempt"]), float(data["value"]), data.get("info"), data.get("run")
+        )
     if kind == "finish":
         return FinishItem(
-            data["rollout_id"], int(data["attempt"]), RolloutState(data["state"]), data.get("reason")
+            data["rollout_id"],
+            int(data["attempt"]),
+            RolloutState(data["state"]),
+            data.get("reason"),
+            data.get("run"),
         )
     raise ValueError(f"unknown spool item kind {kind!r}")
 
@@ -416,9 +438,11 @@ class TraceWriter:
             self.store.add_calls(records)
             self.metrics.batch_size.observe(len(records))
         elif isinstance(first, RewardItem):
-            self.store.set_reward(first.rollout_id, first.attempt, first.value, first.info)
+            self.store.set_reward(first.rollout_id, first.attempt, first.value, first.info, run=first.run)
         else:
-            self.store.finish_attempt(first.rollout_id, first.attempt, first.state, first.reason)
+            self.store.finish_attempt(
+                first.rollout_id, first.attempt, first.state, first.reason, run=first.run
+            )
 
     def _reject(self, item: Item, raw: bytes | None, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]

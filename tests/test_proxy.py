@@ -203,6 +203,45 @@ def test_rewards_last_one_wins_and_missing_stays_missing(upstream, make_proxy, s
     assert store.get_attempt("b", 0).reward is None
 
 
+def test_reward_and_finish_of_a_rollout_that_made_no_call_are_stored(upstream, make_proxy, store, tmp_path):
+    """A harness may score and end a rollout whose LLM calls all failed before reaching the proxy."""
+    proxy = make_proxy([upstream.url], rollout_id=None)
+    base = f"{proxy.url}/rollouts/silent/attempts/3/v1"
+    assert httpx.post(f"{base}/reward", json={"value": -1, "info": {"why": "no answer"}}).status_code == 200
+    assert (
+        httpx.post(f"{base}/rollout/finish", json={"status": "failed", "error": "crashed"}).status_code == 200
+    )
+    proxy.flush()
+    attempt = store.get_attempt("silent", 3)
+    assert (attempt.run, attempt.reward, attempt.reward_info) == ("test-run", -1.0, {"why": "no answer"})
+    assert attempt.state is RolloutState.FAILED and attempt.reason == "crashed"
+    assert store.read_calls("silent", 3) == []
+    assert not list(tmp_path.rglob("*.rejected"))  # nothing was set aside
+
+
+def test_a_restarted_sidecar_continues_its_rollout_after_the_stored_calls(upstream, make_proxy, store):
+    """The new process numbers from 0 again; the store keeps the calls in the order they were made."""
+    first = make_proxy([upstream.url])
+    contents = []
+    for i in range(2):
+        contents.append(f"before restart {i}")
+        client(first.v1).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": contents[-1]}], max_tokens=2
+        )
+    first.flush()
+    first.stop()
+    second = make_proxy([upstream.url])  # same rollout (the sidecar's env), empty ledger
+    for i in range(2):
+        contents.append(f"after restart {i}")
+        client(second.v1).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": contents[-1]}], max_tokens=2
+        )
+    second.flush()
+    calls = store.read_calls("r-1", 0)
+    assert [c.seq for c in calls] == [0, 1, 2, 3]
+    assert [c.request["messages"][0]["content"] for c in calls] == contents
+
+
 def test_reward_never_overtakes_the_calls_before_it(upstream, make_proxy, store):
     """A reward posted right after a stream ends is applied after that stream's call is stored."""
     proxy = make_proxy([upstream.url])

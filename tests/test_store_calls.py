@@ -319,3 +319,24 @@ def test_calls_create_missing_rollout_rows(store: TraceStore) -> None:
     assert (attempt.run, attempt.state, attempt.task_id, attempt.policy_version_start) == (
         "adhoc", RolloutState.RUNNING, None, 3)  # fmt: skip
     assert attempt.reward is None
+
+
+@pytest.mark.parametrize("split", [3, None], ids=["restart-batch-apart", "restart-same-batch"])
+def test_calls_numbered_from_zero_again_after_a_proxy_restart_go_after_the_stored_ones(
+    store: TraceStore, split: int | None
+) -> None:
+    """A restarted sidecar numbers its rollout's calls 0, 1, ... again; they must follow the stored ones."""
+    calls = chat_trajectory("r", 6, seed=3)  # one conversation: each prompt extends the one before
+    restarted = [dataclasses.replace(c, seq=c.seq - 3) for c in calls[3:]]  # the new process's 0, 1, 2
+    expected = copy.deepcopy(calls)
+    store.add_calls(calls[:3])
+    if split is None:
+        assert store.add_calls(restarted) == 3
+    else:
+        assert store.add_calls(restarted[:1]) == 1
+        assert store.add_calls(restarted[1:]) == 2
+    assert store.read_calls("r", 0) == expected  # seq 3, 4, 5 again, in the order they were made
+    stored = store.rollout_calls("r", 0)
+    assert [c.parent_call_id for c in stored] == [None] + [c.call_id for c in calls[:-1]]  # deltas chain on
+    assert store.add_calls(restarted) == 0  # a replay of the same calls is still skipped by call_id
+    assert [c.seq for c in store.read_calls("r", 0)] == list(range(6))

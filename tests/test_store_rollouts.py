@@ -60,6 +60,29 @@ def test_missing_reward_is_none_and_last_reward_wins(store: TraceStore) -> None:
         store.set_reward(rollout_id, 5, 1.0)
 
 
+def test_reward_and_finish_with_a_run_create_an_attempt_no_call_reached(store: TraceStore) -> None:
+    store.set_reward("quiet", 2, 0.5, {"k": 1}, run="run")
+    created = store.get_attempt("quiet", 2)
+    assert (created.run, created.state, created.reward, created.reward_info) == (
+        "run",
+        S.RUNNING,
+        0.5,
+        {"k": 1},
+    )
+    store.finish_attempt("quiet", 2, S.FAILED, "no call", run="run")
+    assert store.get_attempt("quiet", 2).state is S.FAILED
+    store.finish_attempt("ended", 0, S.CANCELLED, run="run")  # a finish alone creates it too
+    assert store.get_attempt("ended", 0).state is S.CANCELLED
+    # an attempt the scheduler made is used as it is, never replaced
+    [task] = store.add_tasks("run", [{"id": "t"}])
+    queued = store.create_rollout("run", task, 0)
+    store.set_reward(queued, 0, 1.0, run="run")
+    kept = store.get_attempt(queued, 0)
+    assert (kept.state, kept.task_id, kept.reward) == (S.QUEUED, "t", 1.0)
+    with pytest.raises(ValueError, match="run must be"):
+        store.set_reward("x", 0, 1.0, run="")
+
+
 def test_list_and_count_attempts(store: TraceStore) -> None:
     store.add_tasks("run", [{"id": "t"}])
     ids = [store.create_rollout("run", "t", i, rollout_id=f"r{i}") for i in range(4)]

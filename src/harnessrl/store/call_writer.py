@@ -9,17 +9,19 @@ that exists. JSON columns are written as the text ``encode`` produced when it ch
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, Text, bindparam, select, tuple_, update
+from sqlalchemy import Connection, Text, bindparam, func, select, tuple_, update
 
 from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
 from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
 from harnessrl.store.delta import Anchor
-from harnessrl.store.records import CallRecord, RolloutState, utcnow
-from harnessrl.store.schema import LlmCall, Rollout, RolloutAttempt
-from harnessrl.store.statements import DialectInsert, attempt_row, chunks, ensure_runs
+from harnessrl.store.records import CallRecord
+from harnessrl.store.schema import LlmCall
+from harnessrl.store.statements import DialectInsert, chunks, ensure_attempts
 
 ANCHOR_COLUMNS = (
     LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq,
@@ -27,6 +29,7 @@ ANCHOR_COLUMNS = (
     LlmCall.io_len, LlmCall.io_digest,
 )  # fmt: skip
 Key = tuple[str, int, int]  # (rollout_id, attempt, seq)
+log = logging.getLogger(__name__)
 
 
 def prepare_batch(calls: Sequence[CallRecord | PreparedCall]) -> dict[str, PreparedCall]:
@@ -54,11 +57,13 @@ def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, Pre
     new = [p for call_id, p in sorted(prepared.items()) if call_id not in existing]  # sorted: one lock order
     if not new:
         return 0
+    # one query finds both the stored predecessors and any stored call already holding a batch call's place
+    stored = _stored_anchors(conn, {k for p in new for k in (p.key, p.predecessor_key) if k is not None})
+    if any(p.key in stored for p in new):
+        _renumber_restarted(conn, new, stored)
     in_batch: dict[Key, PreparedCall] = {}
     for p in new:
         in_batch.setdefault(p.key, p)
-    wanted = {k for p in new if (k := p.predecessor_key) is not None and k not in in_batch}
-    stored = _stored_anchors(conn, wanted)
     rows: list[tuple[PreparedCall, dict[str, Any]]] = []
     problems: dict[str, str] = {}
     for p in new:
@@ -77,6 +82,41 @@ def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, Pre
         inserted = set(conn.scalars(_insert_with_json_text(insert), [_with_json_text(p, r) for p, r in rows]))
     _unlink_from_skipped(conn, new, inserted)
     return len(inserted)
+
+
+def _renumber_restarted(conn: Connection, new: list[PreparedCall], stored: dict[Key, Anchor]) -> None:
+    """Place calls whose (rollout, attempt, seq) another stored call holds after the attempt's last call.
+
+    That happens when a proxy restarts in the middle of a rollout (a sidecar container restarted, a gateway
+    replaced): its numbering starts at 0 again. The calls of such an attempt, from the first that clashes,
+    are renumbered in order after the highest stored seq, so the trajectory stays in the order it was made
+    and each call's predecessor is the call made just before it. Stateless: every later call of the
+    restarted numbering clashes too (the stored seqs stay contiguous), so it lands after its predecessor.
+    """
+    by_attempt: dict[tuple[str, int], list[PreparedCall]] = {}
+    for p in new:
+        by_attempt.setdefault((p.record.rollout_id, p.record.attempt), []).append(p)
+    clashing = sorted({(p.record.rollout_id, p.record.attempt) for p in new if p.key in stored})
+    tops: dict[tuple[str, int], int] = {}
+    for chunk in chunks(clashing):
+        query = (
+            select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq))
+            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt).in_(list(chunk)))
+            .group_by(LlmCall.rollout_id, LlmCall.attempt)
+        )
+        tops.update(((rollout_id, attempt), top) for rollout_id, attempt, top in conn.execute(query))
+    for key in clashing:
+        calls = sorted(by_attempt[key], key=lambda p: p.record.seq)
+        first = next(i for i, p in enumerate(calls) if p.key in stored)
+        log.warning(
+            "rollout %s attempt %d: calls numbered from seq %d again (a restarted proxy?); "
+            "stored after seq %d, in the order they were made",
+            key[0], key[1], calls[first].record.seq, tops[key],
+        )  # fmt: skip
+        for offset, p in enumerate(calls[first:], start=1):
+            p.record = replace(p.record, seq=tops[key] + offset)
+    wanted = {k for p in new if (k := p.predecessor_key) is not None and k not in stored}
+    stored.update(_stored_anchors(conn, wanted))
 
 
 def _insert_with_json_text(insert: DialectInsert) -> Any:
@@ -112,29 +152,13 @@ def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
 
 
 def _ensure_attempts(conn: Connection, insert: DialectInsert, calls: list[PreparedCall]) -> None:
-    """Create missing run/rollout/attempt rows so a proxy without a scheduler never fails a write.
-
-    An attempt created here starts as running (its calls prove it runs) under the first call's policy
-    version; an existing attempt is left exactly as it is.
-    """
+    """Missing parent rows; a created attempt starts under its first call's policy version."""
     firsts: dict[tuple[str, int], CallRecord] = {}
     for p in calls:
         r = p.record
         if (r.rollout_id, r.attempt) not in firsts or r.seq < firsts[(r.rollout_id, r.attempt)].seq:
             firsts[(r.rollout_id, r.attempt)] = r
-    ensure_runs(conn, insert, (r.run for r in firsts.values()))
-    now = utcnow()
-    rollouts = {r.rollout_id: r.run for r in firsts.values()}
-    conn.execute(
-        insert(Rollout).on_conflict_do_nothing(),
-        [{"rollout_id": rid, "run": run, "created_at": now} for rid, run in sorted(rollouts.items())],
-    )
-    attempts = []
-    for (rollout_id, attempt), r in sorted(firsts.items()):
-        row = attempt_row(rollout_id, attempt, r.run, RolloutState.RUNNING, now)
-        row.update(started_at=now, policy_version_start=r.policy_version)
-        attempts.append(row)
-    conn.execute(insert(RolloutAttempt).on_conflict_do_nothing(), attempts)
+    ensure_attempts(conn, insert, {key: (r.run, r.policy_version) for key, r in firsts.items()})
 
 
 def _unlink_from_skipped(conn: Connection, new: list[PreparedCall], inserted: set[str]) -> None:

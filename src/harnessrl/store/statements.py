@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from harnessrl.store.records import RolloutState, utcnow
-from harnessrl.store.schema import Run
+from harnessrl.store.schema import Rollout, RolloutAttempt, Run
 
 CHUNK = 500  # keys per IN (...) list: far below SQLite's and PostgreSQL's bound-parameter limits
 DialectInsert = Callable[[Any], Any]
@@ -51,3 +51,29 @@ def attempt_row(
         "created_at": now,
         "updated_at": now,
     }
+
+
+def ensure_attempts(
+    conn: Connection, insert: DialectInsert, attempts: Mapping[tuple[str, int], tuple[str, int | None]]
+) -> None:
+    """Create the missing run, rollout and attempt rows, so a proxy without a scheduler never loses a write.
+
+    ``attempts``: (rollout_id, attempt) -> (run, policy version it started under, if known). An attempt
+    created here starts as running (a call, reward or finish reported on it proves it runs); an existing
+    attempt is left exactly as it is. Sorted, so concurrent writers take locks in one order.
+    """
+    if not attempts:
+        return
+    ensure_runs(conn, insert, (run for run, _ in attempts.values()))
+    now = utcnow()
+    rollouts = {rollout_id: run for (rollout_id, _), (run, _) in attempts.items()}
+    conn.execute(
+        insert(Rollout).on_conflict_do_nothing(),
+        [{"rollout_id": rid, "run": run, "created_at": now} for rid, run in sorted(rollouts.items())],
+    )
+    rows = []
+    for (rollout_id, attempt), (run, version) in sorted(attempts.items()):
+        row = attempt_row(rollout_id, attempt, run, RolloutState.RUNNING, now)
+        row.update(started_at=now, policy_version_start=version)
+        rows.append(row)
+    conn.execute(insert(RolloutAttempt).on_conflict_do_nothing(), rows)

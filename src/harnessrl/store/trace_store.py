@@ -24,7 +24,14 @@ from harnessrl.store.call_writer import prepare_batch, write_calls
 from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
 from harnessrl.store.records import AttemptRecord, CallRecord, RolloutState, StoredCall, utcnow
 from harnessrl.store.schema import LlmCall, PolicyVersion, Rollout, RolloutAttempt, Run, Task
-from harnessrl.store.statements import NotFound, attempt_row, chunks, dialect_insert, ensure_runs
+from harnessrl.store.statements import (
+    NotFound,
+    attempt_row,
+    chunks,
+    dialect_insert,
+    ensure_attempts,
+    ensure_runs,
+)
 from harnessrl.store.states import IllegalTransition, check_transition
 
 DELTA_COLUMNS = (
@@ -226,15 +233,29 @@ class TraceStore:
                 return
 
     def finish_attempt(
-        self, rollout_id: str, attempt: int, state: RolloutState, reason: str | None = None
+        self,
+        rollout_id: str,
+        attempt: int,
+        state: RolloutState,
+        reason: str | None = None,
+        *,
+        run: str | None = None,
     ) -> None:
-        """Move the attempt to a terminal ``state`` (checked like ``transition``)."""
+        """Move the attempt to a terminal ``state`` (checked like ``transition``). With ``run``, an attempt
+        not stored yet is created first (running), as a call would create it: a harness may end a rollout
+        before its first LLM call reached the store, or without making one."""
         state = RolloutState(state)
         if not state.terminal:
             raise ValueError(
                 "finish_attempt needs a terminal state (succeeded, failed, timed_out, cancelled), "
                 f"got {state.value}"
             )
+        if run is not None:
+            check_id(run, "run")
+            with self._writer.begin() as conn:
+                ensure_attempts(
+                    conn, self._insert, {(check_id(rollout_id, "rollout_id"), attempt): (run, None)}
+                )
         self.transition(rollout_id, attempt, state, reason)
 
     def new_attempt(self, rollout_id: str) -> int:
@@ -270,15 +291,27 @@ class TraceStore:
         raise StoreError(f"rollout {rollout_id}: could not add an attempt (another writer keeps adding them)")
 
     def set_reward(
-        self, rollout_id: str, attempt: int, value: float, info: dict[str, Any] | None = None
+        self,
+        rollout_id: str,
+        attempt: int,
+        value: float,
+        info: dict[str, Any] | None = None,
+        *,
+        run: str | None = None,
     ) -> None:
-        """Record the attempt's reward; a later call replaces it (last reward wins)."""
+        """Record the attempt's reward; a later call replaces it (last reward wins). With ``run``, an
+        attempt not stored yet is created first (running), as a call would create it."""
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"reward must be a finite number, got {value!r}")
         if info is not None:
             _require_json(info, "reward info")
+        if run is not None:
+            check_id(run, "run")
+            check_id(rollout_id, "rollout_id")
         now = utcnow()
         with self._writer.begin() as conn:
+            if run is not None:
+                ensure_attempts(conn, self._insert, {(rollout_id, attempt): (run, None)})
             result = conn.execute(
                 update(RolloutAttempt)
                 .where(RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt)
