@@ -139,65 +139,39 @@ class UpstreamPool:
         base = min(self.backoff_max_s, self.backoff_s * (2**attempt))
         return base / 2 + random.uniform(0, base / 2)
 
-    async def _send(
-        self, url: str, path: str, payload: bytes | None, headers: dict[str, str] | None, method: str
-    ) -> aiohttp.ClientResponse:
-        return await self.session.request(
+    async def _send_and_read(
+        self,
+        url: str,
+        path: str,
+        payload: bytes | None,
+        headers: dict[str, str] | None,
+        method: str,
+        read: bool,
+    ) -> tuple[aiohttp.ClientResponse, bytes]:
+        resp = await self.session.request(
             method, url + path, data=payload, headers={**self.headers, **(headers or {})}
         )
+        try:
+            return resp, (await resp.read() if read else b"")
+        except BaseException:  # cut short (a harness that left cancels us too): drop the connection
+            resp.close()
+            raise
 
-    async def fetch(
+    async def _answer(
         self,
         path: str,
         payload: bytes | None,
         key: str,
+        headers: dict[str, str] | None,
+        method: str,
         *,
-        method: str = "POST",
-        headers: dict[str, str] | None = None,
-    ) -> Answer:
-        """Send and read the whole answer, retrying connection errors, 429 and 5xx."""
-        ranked = self.ranked(key)
-        attempt = 0
-        while True:
-            url = ranked[attempt % len(ranked)]
-            version = self.current_version()
-            started = time.perf_counter()
-            try:
-                async with await self._send(url, path, payload, headers, method) as resp:
-                    body = await resp.read()
-                    answer = Answer(
-                        resp.status,
-                        body,
-                        resp.headers.get("Content-Type", "application/json"),
-                        url,
-                        version,
-                        time.perf_counter() - started,
-                        resp.headers.get("Retry-After"),
-                    )
-            except aiohttp.ClientError as exc:
-                if _is_read_timeout(exc) or attempt >= self.retries:
-                    raise UpstreamUnavailable(url, exc, timeout=_is_read_timeout(exc)) from exc
-                self.metrics.upstream_retries.labels(reason="connection").inc()
-                await asyncio.sleep(self._delay(attempt, None))
-                attempt += 1
-                continue
-            except TimeoutError as exc:
-                raise UpstreamUnavailable(url, exc, timeout=True) from exc
-            if _retryable_status(answer.status) and attempt < self.retries:
-                self.metrics.upstream_retries.labels(reason=str(answer.status)).inc()
-                await asyncio.sleep(self._delay(attempt, answer.retry_after))
-                attempt += 1
-                continue
-            return answer
+        read: bool,
+    ) -> tuple[aiohttp.ClientResponse, bytes, str, int, float]:
+        """Send until an answer that is final (2xx, or an error retrying cannot fix, or retries ran out).
 
-    @asynccontextmanager
-    async def stream(
-        self, path: str, payload: bytes, key: str, headers: dict[str, str] | None = None
-    ) -> AsyncIterator[OpenStream]:
-        """Open a streamed answer, retrying until the upstream answers 2xx (or retries run out).
-
-        The body is left unread; leaving the context closes the connection unless the body was read to
-        the end, so an abandoned stream aborts the request upstream.
+        Retries connection errors, 429 and 5xx on the next upstream in ``key``'s order, with backoff.
+        ``read``: the body is read inside the retry loop (a body cut short is retried too); otherwise it is
+        left unread and the response open. Returns (response, body, url, policy version sent under, start).
         """
         ranked = self.ranked(key)
         attempt = 0
@@ -206,7 +180,7 @@ class UpstreamPool:
             version = self.current_version()
             started = time.perf_counter()
             try:
-                resp = await self._send(url, path, payload, headers, "POST")
+                resp, body = await self._send_and_read(url, path, payload, headers, method, read)
             except aiohttp.ClientError as exc:
                 if _is_read_timeout(exc) or attempt >= self.retries:
                     raise UpstreamUnavailable(url, exc, timeout=_is_read_timeout(exc)) from exc
@@ -223,7 +197,40 @@ class UpstreamPool:
                 await asyncio.sleep(self._delay(attempt, retry_after))
                 attempt += 1
                 continue
-            break
+            return resp, body, url, version, started
+
+    async def fetch(
+        self,
+        path: str,
+        payload: bytes | None,
+        key: str,
+        *,
+        method: str = "POST",
+        headers: dict[str, str] | None = None,
+    ) -> Answer:
+        """Send and read the whole answer (retrying as ``_answer`` says)."""
+        resp, body, url, version, started = await self._answer(path, payload, key, headers, method, read=True)
+        resp.release()
+        return Answer(
+            resp.status,
+            body,
+            resp.headers.get("Content-Type", "application/json"),
+            url,
+            version,
+            time.perf_counter() - started,
+            resp.headers.get("Retry-After"),
+        )
+
+    @asynccontextmanager
+    async def stream(
+        self, path: str, payload: bytes, key: str, headers: dict[str, str] | None = None
+    ) -> AsyncIterator[OpenStream]:
+        """Open a streamed answer, retrying until the upstream answers 2xx (or retries run out).
+
+        The body is left unread; leaving the context closes the connection unless the body was read to
+        the end, so an abandoned stream aborts the request upstream.
+        """
+        resp, _, url, version, started = await self._answer(path, payload, key, headers, "POST", read=False)
         try:
             yield OpenStream(resp, url, version, started)
         finally:
