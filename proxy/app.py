@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -105,6 +106,21 @@ async def read_json(request: web.Request) -> Any:
         return loads(raw)
     except ValueError as exc:
         raise RequestError(f"request body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+@dataclass
+class Exchange:
+    """One LLM call on its way through the proxy: what every step from admission to capture needs."""
+
+    route: Route
+    who: Attribution
+    body: dict[str, Any]  # the request as the harness sent it (what is stored)
+    wants: ClientWants  # what the harness asked for (the proxy's additions are taken out again)
+    payload: bytes  # the request as sent upstream
+    path: str  # the upstream route it is sent to
+    started: float
+    convert: Any = None  # token continuity: turns the completions answer (or chunk) into the chat shape
+    rendered: list[int] | None = None  # token continuity: the chat template's rendering of the messages
 
 
 class CaptureProxy:
@@ -252,37 +268,33 @@ class CaptureProxy:
 
     def capture(
         self,
-        who: Attribution,
-        route: Route,
-        request_body: dict[str, Any],
+        x: Exchange,
         response: dict[str, Any] | None,
         tokens: Tokens,
         *,
         policy_version: int,
         upstream: str,
-        started: float,
         status: CallStatus,
         http_status: int,
-        rendered: list[int] | None = None,
     ) -> None:
         """Number the call, remember it as the attempt's last, and hand it to the writer (no awaits)."""
-        seq = self.ledger.next_seq(who.key)
+        who = x.who
         record = build_call_record(
             who=who,
-            seq=seq,
-            route=route,
-            request=request_body,
+            seq=self.ledger.next_seq(who.key),
+            route=x.route,
+            request=x.body,
             response=response,
             tokens=tokens,
             policy_version=policy_version,
             upstream=upstream,
-            latency_s=time.perf_counter() - started,
+            latency_s=time.perf_counter() - x.started,
             status=status,
             http_status=http_status,
         )
-        self.ledger.remember(who.key, record, rendered)
+        self.ledger.remember(who.key, record, x.rendered)
         self.writer.put(CallItem.of(record))
-        self.metrics.calls.labels(route, status.value).inc()
+        self.metrics.calls.labels(x.route, status.value).inc()
         self.metrics.prompt_tokens.inc(len(tokens.prompt_token_ids))
         self.metrics.completion_tokens.inc(len(tokens.completion_token_ids))
 
@@ -321,38 +333,19 @@ class CaptureProxy:
                         cfg.sampling if cfg.train else {},
                     )
                     if plan is not None:
-                        if plan.stream:
-                            return await self._streamed(
-                                request,
-                                route,
-                                who,
-                                body,
-                                wants,
-                                plan.payload,
-                                started,
-                                path="/v1/completions",
-                                convert=plan.convert_chunk,
-                                rendered=plan.rendered_prompt,
-                            )
-                        return await self._unary(
-                            route,
-                            who,
-                            body,
-                            wants,
-                            plan.payload,
-                            started,
-                            path="/v1/completions",
-                            convert=plan.convert_response,
-                            rendered=plan.rendered_prompt,
-                        )
+                        convert = plan.convert_chunk if plan.stream else plan.convert_response
+                        x = Exchange(
+                            route, who, body, wants, plan.payload, "/v1/completions", started, convert,
+                            plan.rendered_prompt,
+                        )  # fmt: skip
+                        return await (self._streamed(request, x) if plan.stream else self._unary(x))
                 payload = dumps(
                     upstream_request(
                         route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling
                     )
                 )
-                if body.get("stream") is True:
-                    return await self._streamed(request, route, who, body, wants, payload, started)
-                return await self._unary(route, who, body, wants, payload, started)
+                x = Exchange(route, who, body, wants, payload, ROUTE_PATHS[route], started)
+                return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
         except PausedError as exc:
             return json_error(
                 503,
@@ -362,38 +355,23 @@ class CaptureProxy:
                 headers={"Retry-After": str(exc.retry_after_s)},
             )
 
-    async def _unary(
-        self,
-        route: Route,
-        who: Attribution,
-        body: dict[str, Any],
-        wants: ClientWants,
-        payload: bytes,
-        started: float,
-        *,
-        path: str | None = None,
-        convert: Any = None,
-        rendered: list[int] | None = None,
-    ) -> web.Response:
+    async def _unary(self, x: Exchange) -> web.Response:
         try:
-            answer = await self.upstreams.fetch(path or ROUTE_PATHS[route], payload, who.rollout_id)
+            answer = await self.upstreams.fetch(x.path, x.payload, x.who.rollout_id)
         except UpstreamUnavailable as exc:
-            return self._unavailable(route, who, body, exc, started)
+            return self._unavailable(x, exc)
         except asyncio.CancelledError:
-            self._capture_abandoned(who, route, body, started)
+            self._capture_abandoned(x)
             raise
-        self.metrics.upstream_latency.labels(route).observe(answer.seconds)
+        self.metrics.upstream_latency.labels(x.route).observe(answer.seconds)
         if not 200 <= answer.status < 300:
             return self._passthrough_error(
-                route,
-                who,
-                body,
+                x,
                 answer.status,
                 answer.body,
                 answer.content_type,
                 answer.url,
                 answer.policy_version,
-                started,
                 answer.retry_after,
             )
         try:
@@ -402,51 +380,39 @@ class CaptureProxy:
             data = None
         if not isinstance(data, dict):
             return self._bad_upstream(
-                route,
-                who,
-                body,
+                x,
                 answer.url,
                 answer.policy_version,
-                started,
                 "upstream answered 2xx with a body that is not a JSON object",
             )
-        if convert is not None:
-            data = convert(data)
-        tokens = tokens_from_response(route, data)
-        out = dumps(strip_unrequested(data, wants))
+        if x.convert is not None:
+            data = x.convert(data)
+        tokens = tokens_from_response(x.route, data)
+        out = dumps(strip_unrequested(data, x.wants))
         self.capture(
-            who,
-            route,
-            body,
+            x,
             data,
             tokens,
             policy_version=answer.policy_version,
             upstream=answer.url,
-            started=started,
             status=CallStatus.OK,
             http_status=answer.status,
-            rendered=rendered,
         )
         return web.Response(body=out, status=answer.status, content_type="application/json")
 
-    def _capture_abandoned(self, who: Attribution, route: Route, body: dict[str, Any], started: float) -> None:
+    def _capture_abandoned(self, x: Exchange) -> None:
         """Record a call the harness gave up on before any upstream answer reached it (stored as aborted)."""
         self.capture(
-            who,
-            route,
-            body,
+            x,
             None,
             Tokens(),
             policy_version=self.versions.current(),
             upstream="",
-            started=started,
             status=CallStatus.ABORTED,
             http_status=HTTP_CLIENT_CLOSED,
         )
 
-    def _unavailable(
-        self, route: Route, who: Attribution, body: dict[str, Any], exc: UpstreamUnavailable, started: float
-    ) -> web.Response:
+    def _unavailable(self, x: Exchange, exc: UpstreamUnavailable) -> web.Response:
         status = 504 if exc.timeout else 502
         err = error_body(
             str(exc),
@@ -454,39 +420,24 @@ class CaptureProxy:
             code="upstream_timeout" if exc.timeout else "upstream_unavailable",
         )
         self.capture(
-            who,
-            route,
-            body,
+            x,
             err,
             Tokens(),
             policy_version=self.versions.current(),
             upstream=exc.url,
-            started=started,
             status=CallStatus.ERROR,
             http_status=status,
         )
         return json_response(err, status)
 
-    def _bad_upstream(
-        self,
-        route: Route,
-        who: Attribution,
-        body: dict[str, Any],
-        url: str,
-        version: int,
-        started: float,
-        message: str,
-    ) -> web.Response:
+    def _bad_upstream(self, x: Exchange, url: str, version: int, message: str) -> web.Response:
         err = error_body(message, type_="upstream_error", code="upstream_bad_response")
         self.capture(
-            who,
-            route,
-            body,
+            x,
             err,
             Tokens(),
             policy_version=version,
             upstream=url,
-            started=started,
             status=CallStatus.ERROR,
             http_status=502,
         )
@@ -494,15 +445,12 @@ class CaptureProxy:
 
     def _passthrough_error(
         self,
-        route: Route,
-        who: Attribution,
-        body: dict[str, Any],
+        x: Exchange,
         status: int,
         raw: bytes,
         content_type: str,
         url: str,
         version: int,
-        started: float,
         retry_after: str | None,
     ) -> web.Response:
         try:
@@ -511,14 +459,11 @@ class CaptureProxy:
         except ValueError:
             stored = {"error": {"message": raw.decode("utf-8", "replace")}}
         self.capture(
-            who,
-            route,
-            body,
+            x,
             stored,
             Tokens(),
             policy_version=version,
             upstream=url,
-            started=started,
             status=CallStatus.ERROR,
             http_status=status,
         )
@@ -530,59 +475,32 @@ class CaptureProxy:
             content_type=content_type.split(";")[0].strip() or "application/json",
         )
 
-    async def _streamed(
-        self,
-        request: web.Request,
-        route: Route,
-        who: Attribution,
-        body: dict[str, Any],
-        wants: ClientWants,
-        payload: bytes,
-        started: float,
-        *,
-        path: str | None = None,
-        convert: Any = None,
-        rendered: list[int] | None = None,
-    ) -> web.StreamResponse:
+    async def _streamed(self, request: web.Request, x: Exchange) -> web.StreamResponse:
         relaying = False  # from then on _relay records the call, however it ends
         try:
-            async with self.upstreams.stream(path or ROUTE_PATHS[route], payload, who.rollout_id) as up:
+            async with self.upstreams.stream(x.path, x.payload, x.who.rollout_id) as up:
                 upstream = up.response
                 if not 200 <= upstream.status < 300:
                     raw = await upstream.read()
                     return self._passthrough_error(
-                        route,
-                        who,
-                        body,
+                        x,
                         upstream.status,
                         raw,
                         upstream.headers.get("Content-Type", "application/json"),
                         up.url,
                         up.policy_version,
-                        started,
                         upstream.headers.get("Retry-After"),
                     )
                 relaying = True
-                return await self._relay(request, route, who, body, wants, up, started, convert, rendered)
+                return await self._relay(request, x, up)
         except UpstreamUnavailable as exc:
-            return self._unavailable(route, who, body, exc, started)
+            return self._unavailable(x, exc)
         except asyncio.CancelledError:
             if not relaying:
-                self._capture_abandoned(who, route, body, started)
+                self._capture_abandoned(x)
             raise
 
-    async def _relay(
-        self,
-        request: web.Request,
-        route: Route,
-        who: Attribution,
-        body: dict[str, Any],
-        wants: ClientWants,
-        up: Any,
-        started: float,
-        convert: Any,
-        rendered: list[int] | None,
-    ) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, x: Exchange, up: Any) -> web.StreamResponse:
         """Pass the upstream's events through as they arrive (what one read brought goes out in one write),
         capturing them; the call is queued before ``[DONE]`` goes out, so a reward sent after the stream ends
         can never overtake it."""
@@ -591,6 +509,7 @@ class CaptureProxy:
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
         )
         await resp.prepare(request)
+        route, wants, convert = x.route, x.wants, x.convert
         assembler = StreamAssembler(route)
         raw_passthrough = wants.token_ids and wants.logprobs and convert is None
         status, http_status = CallStatus.OK, up.response.status
@@ -608,19 +527,14 @@ class CaptureProxy:
             nonlocal recorded
             recorded = True
             self.metrics.upstream_latency.labels(route).observe(time.perf_counter() - up.started)
-            response = assembler.response()
             self.capture(
-                who,
-                route,
-                body,
-                response,
+                x,
+                assembler.response(),
                 assembler.tokens(),
                 policy_version=up.policy_version,
                 upstream=up.url,
-                started=started,
                 status=call_status,
                 http_status=code,
-                rendered=rendered,
             )
 
         try:
