@@ -181,12 +181,13 @@ def captured_records(answer: bytes, calls: int, tag: str) -> list:
     """``calls`` records of the proxy's benchmark call, as its capture builds them from ``answer`` (each
     decoded afresh, so none shares objects with another): 64 rollouts, interleaved by turn."""
     from harnessrl.proxy.capture import Attribution, build_call_record
-    from harnessrl.proxy.protocol import loads, tokens_from_response
+    from harnessrl.proxy.protocol import ClientWants, loads, strip_unrequested, tokens_from_response
     from harnessrl.store import CallStatus
 
     records = []
     for i in range(calls):
-        response = loads(answer)
+        # stored as the harness (which asked for neither) got it: see CaptureProxy.capture
+        response = strip_unrequested(loads(answer), ClientWants(token_ids=False, logprobs=False))
         records.append(
             build_call_record(
                 who=Attribution("bench", f"{tag}-{i % 64}", 0),
@@ -194,7 +195,7 @@ def captured_records(answer: bytes, calls: int, tag: str) -> list:
                 route="chat",
                 request={"model": "m", "messages": [{"role": "user", "content": "x" * PROMPT_TOKENS}]},
                 response=response,
-                tokens=tokens_from_response("chat", response),
+                tokens=tokens_from_response("chat", loads(answer)),
                 policy_version=0,
                 upstream="http://u",
                 latency_s=0.01,

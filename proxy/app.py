@@ -277,8 +277,18 @@ class CaptureProxy:
         status: CallStatus,
         http_status: int,
     ) -> None:
-        """Number the call, remember it as the attempt's last, and hand it to the writer (no awaits)."""
+        """Number the call, remember it as the attempt's last, and hand it to the writer (no awaits).
+
+        The response is stored as the harness got it: the token ids and log-probs the proxy asked for on its
+        own behalf live once, in the record's arrays (DESIGN.md section 4), so the store neither keeps nor
+        checks a second copy (on a 200-token chat answer, checking the log-prob entries before cutting them
+        out cost more CPU than the rest of the capture). An answer with several choices is kept whole: the
+        arrays hold choice 0 only.
+        """
         who = x.who
+        choices = response.get("choices") if response is not None else None
+        if not isinstance(choices, list) or len(choices) <= 1:
+            response = None if response is None else strip_unrequested(response, x.wants)
         record = build_call_record(
             who=who,
             seq=self.ledger.next_seq(who.key),

@@ -7,6 +7,7 @@ the text it did see.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import threading
@@ -19,7 +20,10 @@ import pytest
 pytest.register_assert_rewrite("proxy_servers")  # also loaded as a plugin below
 from proxy_servers import metric_value
 
+from harnessrl.proxy.app import Exchange
+from harnessrl.proxy.capture import Attribution
 from harnessrl.proxy.fake_upstream import encode, render_chat, token_logprob
+from harnessrl.proxy.protocol import client_wants, tokens_from_response
 from harnessrl.store import CallStatus, RolloutState, TraceStore
 
 pytest_plugins = ["proxy_servers"]  # fixtures: loops, upstream, make_proxy
@@ -68,6 +72,9 @@ def test_chat_non_streaming_is_captured_exactly_and_unrequested_fields_are_remov
     assert "return_token_ids" not in call.request
     assert call.response["choices"][0]["message"]["content"] == text
     assert call.upstream == upstream.url and call.policy_version == 0 and call.http_status == 200
+    # stored as the harness got it: what the proxy added for itself lives once, in the arrays above
+    assert "prompt_token_ids" not in call.response and "token_ids" not in call.response["choices"][0]
+    assert call.response["choices"][0]["logprobs"] is None
 
 
 def test_chat_streaming_passes_chunks_through_and_assembles_the_call(upstream, make_proxy, store):
@@ -124,6 +131,32 @@ def test_completions_with_requested_token_ids_and_logprobs(upstream, make_proxy,
     assert call.prompt_token_ids == got_prompt == encode("def f(x):")
     assert call.completion_token_ids == got_ids and len(got_ids) == 4
     assert call.logprobs == got_lps
+    choice = call.response["choices"][0]  # the harness asked for them: the stored answer has them too
+    assert choice["token_ids"] == got_ids and choice["logprobs"]["token_logprobs"] == got_lps
+
+
+def test_an_answer_with_several_choices_is_stored_whole(upstream, make_proxy, store):
+    """Only choice 0 has token arrays, so what the proxy added to the others is not dropped."""
+    proxy = make_proxy([upstream.url])
+    body = {"model": "m", "messages": MESSAGES, "n": 2}
+    wants = client_wants("chat", body)
+    x = Exchange("chat", Attribution("test-run", "r-1", 0), body, wants, b"{}", "/v1/chat/completions", 0.0)
+    choices = [
+        {"index": i, "message": {"role": "assistant", "content": f"c{i}"}, "token_ids": [i, 9],
+         "logprobs": {"content": [{"token": "t", "logprob": -0.5, "bytes": [116], "top_logprobs": []}] * 2}}
+        for i in range(2)
+    ]  # fmt: skip
+    answer = {"id": "x", "choices": choices, "prompt_token_ids": [1, 2]}
+    tokens = tokens_from_response("chat", answer)
+    proxy.loops.run(_capture_on_loop(proxy.proxy, x, copy.deepcopy(answer), tokens))
+    proxy.flush()
+    assert only_call(store).response == answer
+
+
+async def _capture_on_loop(capture_proxy, x, answer, tokens) -> None:
+    capture_proxy.capture(
+        x, answer, tokens, policy_version=0, upstream="u", status=CallStatus.OK, http_status=200
+    )
 
 
 def test_completions_without_logprobs_get_none_but_are_captured(upstream, make_proxy, store):

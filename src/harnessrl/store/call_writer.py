@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, Text, bindparam, func, select, tuple_, update
+from sqlalchemy import Connection, Integer, String, Text, and_, any_, bindparam, func, select, tuple_, update
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
 from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
@@ -132,6 +133,9 @@ def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:
+    if conn.dialect.name == "postgresql":  # one array parameter: no query text that grows with the batch
+        ids = bindparam("ids", sorted(call_ids), type_=ARRAY(String))
+        return set(conn.scalars(select(LlmCall.call_id).where(LlmCall.call_id == any_(ids))))
     found: set[str] = set()
     for chunk in chunks(sorted(call_ids)):
         found.update(conn.scalars(select(LlmCall.call_id).where(LlmCall.call_id.in_(chunk))))
@@ -140,13 +144,36 @@ def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:
 
 def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
     anchors: dict[Key, Anchor] = {}
-    for chunk in chunks(sorted(keys)):
-        query = (
-            select(*ANCHOR_COLUMNS)
-            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk)))
-            .order_by(LlmCall.call_id)
+    if not keys:
+        return anchors
+    if conn.dialect.name == "postgresql":
+        # The keys as three array parameters, unnested into rows and joined on the (rollout, attempt, seq)
+        # index. An IN list of row values costs psycopg milliseconds per query to parse for a full batch.
+        rollouts, attempts, seqs = zip(*sorted(keys), strict=True)
+        wanted = (
+            func.unnest(
+                bindparam("rollouts", list(rollouts), type_=ARRAY(String)),
+                bindparam("attempts", list(attempts), type_=ARRAY(Integer)),
+                bindparam("seqs", list(seqs), type_=ARRAY(Integer)),
+            )
+            .table_valued("rollout_id", "attempt", "seq")
+            .render_derived()
         )
-        for row in conn.execute(query):
+        match = and_(
+            LlmCall.rollout_id == wanted.c.rollout_id,
+            LlmCall.attempt == wanted.c.attempt,
+            LlmCall.seq == wanted.c.seq,
+        )
+        queries = [select(*ANCHOR_COLUMNS).join_from(LlmCall, wanted, match)]
+    else:
+        queries = [
+            select(*ANCHOR_COLUMNS).where(
+                tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk))
+            )
+            for chunk in chunks(sorted(keys))
+        ]
+    for query in queries:
+        for row in conn.execute(query.order_by(LlmCall.call_id)):
             anchors.setdefault((row.rollout_id, row.attempt, row.seq), anchor_from_row(row))
     return anchors
 
