@@ -128,13 +128,26 @@ class Result:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def load(base: str, calls: int, concurrency: int, stream: bool, gateway: bool, tag: str) -> Result:
+# What the proxy adds to every request it sends upstream in train mode (protocol.upstream_request).
+CAPTURE_FIELDS = {"logprobs": True, "return_token_ids": True}
+
+
+async def load(
+    base: str,
+    calls: int,
+    concurrency: int,
+    stream: bool,
+    gateway: bool,
+    tag: str,
+    extra: dict | None = None,
+) -> Result:
     """``calls`` chat calls from ``concurrency`` workers; each worker is one rollout (gateway path)."""
     body_template = {
         "model": "m",
         "max_tokens": COMPLETION_TOKENS,
         "stream": stream,
         "messages": [{"role": "user", "content": "x" * PROMPT_TOKENS}],
+        **(extra or {}),
     }
     latencies: list[float] = []
     counter = iter(range(calls))
@@ -216,7 +229,9 @@ def writer_drain_rate(pg_url: str, answer: bytes, calls: int, tmp: Path) -> tupl
 
     records = captured_records(answer, calls, "drain")
     start = time.perf_counter()
-    items = [CallItem.of(record) for record in records]
+    items = [CallItem(record) for record in records]
+    for item in items:
+        item.prepare()
     prepare_us = (time.perf_counter() - start) / calls * 1e6
     del records
     store = TraceStore.connect(pg_url)
@@ -305,6 +320,10 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         rows = []
         plan = [(1, False), (1, True), (64, False), (64, True)]
         cpu: dict[str, CpuShare] = {}
+        # The upstream's own extra time to produce token ids and log-probs, which the proxy asks for
+        captured = {
+            s: await load(direct, args.calls_c1, 1, s, False, "dc", CAPTURE_FIELDS) for s in (False, True)
+        }
         for concurrency, stream in plan:
             n = args.calls_c1 if concurrency == 1 else args.calls_c64
             meter = CpuMeter(upstream.pid, proxy.pid)
@@ -346,6 +365,15 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         direct_cells = (d.pct(0.5) * 1e3, d.pct(0.99) * 1e3, d.throughput)
         proxy_cells = (p.pct(0.5) * 1e3, p.pct(0.99) * 1e3, p.throughput)
         print(row.format(concurrency, mode, *direct_cells, *proxy_cells, added, p.throughput / d.throughput))
+    for concurrency, stream, d, p in rows:
+        if concurrency == 1:
+            upstream_extra = (captured[stream].pct(0.5) - d.pct(0.5)) * 1e3
+            own = (p.pct(0.5) - captured[stream].pct(0.5)) * 1e3
+            print(
+                f"concurrency 1, {'stream' if stream else 'unary'}: of the added p50, the upstream answering "
+                f"with token ids and log-probs (asked for directly) takes {upstream_extra:.2f} ms; "
+                f"the proxy itself {own:.2f} ms"
+            )
     print("\nCPU ms per call at concurrency 64, unary (capture to PostgreSQL runs after each answer):")
     print(
         "{:>8} | {:>7} {:>8} {:>7} {:>8} | {:>7}".format(

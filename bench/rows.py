@@ -46,11 +46,22 @@ def trajectory(rng: np.random.Generator, rollout_id: str, turns: int) -> list[Ca
     for seq in range(turns):
         completion = rng.integers(0, VOCAB, int(rng.integers(COMPLETION[0], COMPLETION[1] + 1))).tolist()
         logprobs = (-rng.exponential(0.5, len(completion))).tolist()
-        calls.append(CallRecord(
-            call_id=f"{rollout_id}-{seq}", run="bench", rollout_id=rollout_id, attempt=0, seq=seq, route="completions",
-            request={"prompt": "..."}, response=None, prompt_token_ids=history, completion_token_ids=completion,
-            logprobs=logprobs, policy_version=0,
-        ))
+        calls.append(
+            CallRecord(
+                call_id=f"{rollout_id}-{seq}",
+                run="bench",
+                rollout_id=rollout_id,
+                attempt=0,
+                seq=seq,
+                route="completions",
+                request={"prompt": "..."},
+                response=None,
+                prompt_token_ids=history,
+                completion_token_ids=completion,
+                logprobs=logprobs,
+                policy_version=0,
+            )
+        )
         history = history + completion + rng.integers(0, VOCAB, OBSERVATION).tolist()
     return calls
 
@@ -60,11 +71,15 @@ def stored_calls(records: list[CallRecord]) -> list[StoredCall]:
     out = calls_from_records(records)
     for previous, call in zip(records, out[1:]):
         call.parent_call_id = previous.call_id
-        call.prompt_suffix = call.prompt_suffix[len(previous.prompt_token_ids) + len(previous.completion_token_ids):]
+        call.prompt_suffix = call.prompt_suffix[
+            len(previous.prompt_token_ids) + len(previous.completion_token_ids) :
+        ]
     return out
 
 
-def load(turns: int, rollouts: int, store: TraceStore | None, rng: np.random.Generator) -> list[list[StoredCall]]:
+def load(
+    turns: int, rollouts: int, store: TraceStore | None, rng: np.random.Generator
+) -> list[list[StoredCall]]:
     loaded = []
     for i in range(rollouts):
         rollout_id = f"t{turns}-r{i}"
@@ -86,9 +101,12 @@ def load(turns: int, rollouts: int, store: TraceStore | None, rng: np.random.Gen
 def as_arrays(calls: list[StoredCall]) -> list[StoredCall]:
     """The same calls with numpy fields, as ``np.frombuffer`` over the store's bytes would give them."""
     return [
-        replace(c, prompt_suffix=np.asarray(c.prompt_suffix, dtype="<i4"),
-                completion_token_ids=np.asarray(c.completion_token_ids, dtype="<i4"),
-                logprobs=np.asarray(c.logprobs, dtype="<f4"))
+        replace(
+            c,
+            prompt_suffix=np.asarray(c.prompt_suffix, dtype="<i4"),
+            completion_token_ids=np.asarray(c.completion_token_ids, dtype="<i4"),
+            logprobs=np.asarray(c.logprobs, dtype="<f4"),
+        )
         for c in calls
     ]
 
@@ -110,10 +128,16 @@ def measure(rollouts: list[list[StoredCall]], repeat: int) -> tuple[list[float],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of rollouts per length")
-    parser.add_argument("--repeat", type=int, default=7, help="timed passes per length (best and median shown)")
-    parser.add_argument("--no-store", action="store_true", help="build StoredCalls directly instead of via SQLite")
+    parser.add_argument(
+        "--repeat", type=int, default=7, help="timed passes per length (best and median shown)"
+    )
+    parser.add_argument(
+        "--no-store", action="store_true", help="build StoredCalls directly instead of via SQLite"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -125,9 +149,13 @@ def main() -> None:
         if not args.no_store:
             store = TraceStore.connect(f"sqlite:///{Path(tmp) / 'bench.db'}")
             store.upgrade()
-        print(f"source: {'SQLite TraceStore.rollout_calls (delta form)' if store else 'StoredCalls built directly'}")
-        print(f"{'turns':>5} {'input':>6} {'rollouts':>8} {'rows':>5} {'row tokens':>10} {'cpu s':>7} "
-              f"{'rows/s':>8} {'Mtok/s':>7} {'median':>7} {'wall':>6} {'ns/tok':>6} {'target':>6}")
+        print(
+            f"source: {'SQLite TraceStore.rollout_calls (delta form)' if store else 'StoredCalls built directly'}"
+        )
+        print(
+            f"{'turns':>5} {'input':>6} {'rollouts':>8} {'rows':>5} {'row tokens':>10} {'cpu s':>7} "
+            f"{'rows/s':>8} {'Mtok/s':>7} {'median':>7} {'wall':>6} {'ns/tok':>6} {'target':>6}"
+        )
         try:
             for turns in TURNS:
                 loaded = load(turns, counts[turns], store, rng)
@@ -135,15 +163,19 @@ def main() -> None:
                     cpu, wall, rows, tokens = measure(rollouts, args.repeat)
                     best = min(cpu)
                     rate = tokens / best
-                    print(f"{turns:>5} {form:>6} {len(rollouts):>8} {rows:>5} {tokens:>10,} {best:>7.4f} "
-                          f"{rows / best:>8,.0f} {rate / 1e6:>7.1f} {tokens / statistics.median(cpu) / 1e6:>7.1f} "
-                          f"{tokens / min(wall) / 1e6:>6.1f} {best / tokens * 1e9:>6.1f} "
-                          f"{'ok' if rate >= TARGET_TOKENS_PER_S else 'MISS':>6}")
+                    print(
+                        f"{turns:>5} {form:>6} {len(rollouts):>8} {rows:>5} {tokens:>10,} {best:>7.4f} "
+                        f"{rows / best:>8,.0f} {rate / 1e6:>7.1f} {tokens / statistics.median(cpu) / 1e6:>7.1f} "
+                        f"{tokens / min(wall) / 1e6:>6.1f} {best / tokens * 1e9:>6.1f} "
+                        f"{'ok' if rate >= TARGET_TOKENS_PER_S else 'MISS':>6}"
+                    )
                 del loaded
         finally:
             if store is not None:
                 store.close()
-    print(f"Mtok/s: row tokens per CPU second, best of {args.repeat} (median next to it; wall: per wall second)")
+    print(
+        f"Mtok/s: row tokens per CPU second, best of {args.repeat} (median next to it; wall: per wall second)"
+    )
     print(f"target: >= {TARGET_TOKENS_PER_S / 1e6:.0f}M row tokens/s on one core at every length")
 
 

@@ -303,7 +303,9 @@ class CaptureProxy:
             http_status=http_status,
         )
         self.ledger.remember(who.key, record, x.rendered)
-        self.writer.put(CallItem.of(record))
+        item = CallItem(record)
+        self.writer.put(item)
+        asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
         self.metrics.calls.labels(x.route, status.value).inc()
         self.metrics.prompt_tokens.inc(len(tokens.prompt_token_ids))
         self.metrics.completion_tokens.inc(len(tokens.completion_token_ids))

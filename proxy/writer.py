@@ -63,26 +63,28 @@ class TraceSink(Protocol):
 
 @dataclass
 class CallItem:
-    """One captured call, prepared for the store (``prepare_call``) as it is queued, when it is valid.
+    """One captured call, queued as captured and then prepared for the store (``prepare_call``).
 
-    Preparing on the request path costs no more CPU than on the writer thread, and a call waiting in the
-    queue then holds packed arrays instead of its decoded response: a chat response with 200 log-probs is
-    ~600 containers, and with a batch or a backlog of them queued, Python's cyclic garbage collector spent
-    ~40% of the proxy's CPU scanning them (measured at concurrency 64, bench/proxy_overhead.py). Deferring
-    the preparation until the answer had gone out (a loop callback) was measured too: the decoded responses
-    then outlived young-generation collections and the collector's cost came back.
+    The proxy queues the record at once (its place in the order is fixed then) and prepares it in an
+    event-loop callback that runs after the answer has gone out to the harness, so the packing, stripping
+    and digests are not on the harness's wait. Preparing there costs no more CPU than on the writer thread,
+    and a call waiting in the queue then holds packed arrays, not lists of Python ints and floats that the
+    cyclic garbage collector would scan at every collection while it waits. If the writer takes the item
+    before the callback ran, the store prepares it (the swap of ``call`` is one atomic store).
     """
 
     call: CallRecord | PreparedCall
 
-    @classmethod
-    def of(cls, record: CallRecord) -> CallItem:
+    def prepare(self) -> None:
+        call = self.call
+        if isinstance(call, PreparedCall):
+            return
         try:
-            return cls(prepare_call(record))
+            self.call = prepare_call(call)
         except (
             ValueError
         ):  # the writer hands it to the store anyway: refused with the reason, kept in .rejected
-            return cls(record)
+            pass
 
     @property
     def record(self) -> CallRecord:

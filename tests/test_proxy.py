@@ -24,7 +24,7 @@ from harnessrl.proxy.app import Exchange
 from harnessrl.proxy.capture import Attribution
 from harnessrl.proxy.fake_upstream import encode, render_chat, token_logprob
 from harnessrl.proxy.protocol import client_wants, tokens_from_response
-from harnessrl.store import CallStatus, RolloutState, TraceStore
+from harnessrl.store import CallStatus, PreparedCall, RolloutState, TraceStore
 
 pytest_plugins = ["proxy_servers"]  # fixtures: loops, upstream, make_proxy
 
@@ -133,6 +133,22 @@ def test_completions_with_requested_token_ids_and_logprobs(upstream, make_proxy,
     assert call.logprobs == got_lps
     choice = call.response["choices"][0]  # the harness asked for them: the stored answer has them too
     assert choice["token_ids"] == got_ids and choice["logprobs"]["token_logprobs"] == got_lps
+
+
+def test_calls_wait_in_the_writer_queue_prepared(upstream, make_proxy, store, monkeypatch):
+    """Queued calls hold packed arrays (``PreparedCall``), not the decoded answer, so a long queue does not
+    make the garbage collector's work grow (the proxy prepares each after its answer has gone out)."""
+    seen: list[type] = []
+    add_calls = store.add_calls
+    monkeypatch.setattr(
+        store, "add_calls", lambda calls: (seen.extend(map(type, calls)), add_calls(calls))[1]
+    )
+    proxy = make_proxy([upstream.url], write_linger_s=0.5)
+    for _ in range(3):
+        client(proxy.v1).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
+    proxy.flush()
+    assert seen == [PreparedCall] * 3
+    assert [c.seq for c in store.read_calls("r-1", 0)] == [0, 1, 2]
 
 
 def test_an_answer_with_several_choices_is_stored_whole(upstream, make_proxy, store):

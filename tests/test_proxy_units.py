@@ -430,7 +430,8 @@ def _vllm_chat_record(seq: int = 0, rollout: str = "r"):
 def test_a_queued_call_holds_its_prepared_form_and_rebuilds_bit_exact(tmp_path: Path):
     original = _vllm_chat_record()
     expected = copy.deepcopy(original)
-    item = CallItem.of(original)
+    item = CallItem(original)
+    item.prepare()
     # queued: packed arrays and the stripped response, not the decoded log-prob entries
     assert item.call is not original and item.call.record.response is None
     assert item.call.response["choices"][0]["logprobs"]["content"] == [" a", "é", "\U0001f600"]
@@ -443,14 +444,15 @@ def test_a_queued_call_holds_its_prepared_form_and_rebuilds_bit_exact(tmp_path: 
 
 def test_a_call_the_store_would_refuse_is_queued_as_captured(sqlite_store: TraceStore, tmp_path: Path):
     bad = _vllm_chat_record(rollout="r" * 200)  # longer than the store allows
-    item = CallItem.of(bad)
+    item = CallItem(bad)
+    item.prepare()
     assert item.call is bad  # not prepared: the writer hands it over and the store names the problem
     writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics())
     writer.start()
     writer.put(item)
     good = _vllm_chat_record()
     expected = copy.deepcopy(good)
-    writer.put(CallItem.of(good))
+    writer.put(CallItem(good))  # not prepared yet: the store prepares it
     assert writer.flush(30)
     writer.close(5)
     [rejected] = [json.loads(line) for line in (tmp_path / "s.jsonl.rejected").read_text().splitlines()]
