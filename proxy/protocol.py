@@ -317,10 +317,13 @@ class SSEEvent:
 
 def parse_sse_event(raw: bytes) -> SSEEvent:
     """Parse one event (the bytes up to and including its blank line); non-JSON events stay opaque."""
-    payload_lines = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
-    if not payload_lines:
-        return SSEEvent(raw)
-    payload = b"\n".join(line.rstrip(b"\r") for line in payload_lines)
+    if raw.startswith(b"data: ") and raw.find(b"\n") == len(raw) - 2:  # one data line: vLLM's every event
+        payload = raw[6:-2].rstrip(b"\r")
+    else:
+        lines = [line[5:].lstrip(b" ") for line in raw.split(b"\n") if line.startswith(b"data:")]
+        if not lines:
+            return SSEEvent(raw)
+        payload = b"\n".join(line.rstrip(b"\r") for line in lines)
     if payload.strip() == b"[DONE]":
         return SSEEvent(raw, done=True)
     try:
@@ -415,7 +418,9 @@ class StreamAssembler:
     def _feed_choice(self, raw: Mapping[str, Any]) -> None:
         index = raw.get("index", 0)
         index = index if isinstance(index, int) else 0
-        state = self.choices.setdefault(index, _ChoiceState(index))
+        state = self.choices.get(index)
+        if state is None:  # not setdefault: that would build a state (15 fields) for every chunk
+            state = self.choices[index] = _ChoiceState(index)
         ids = _int_list(raw.get("token_ids"))
         state.token_ids.extend(ids)
         if self.route == "completions" and isinstance(raw.get("prompt_token_ids"), list):
