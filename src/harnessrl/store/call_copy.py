@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psycopg.errors import UniqueViolation
-from sqlalchemy import Connection
+from sqlalchemy import Connection, LargeBinary
 
 from harnessrl.store.call_rows import PreparedCall
 from harnessrl.store.schema import LlmCall
@@ -39,9 +39,15 @@ MOVE = (
 
 
 def _bind_processors(conn: Connection) -> list[Callable[[Any], Any] | None]:
-    """SQLAlchemy's own bind conversions per column (e.g. timestamps to UTC), as the plain insert applies."""
+    """SQLAlchemy's own bind conversions per column (e.g. timestamps to UTC), as the plain insert applies.
+
+    Not for binary columns: COPY takes ``bytes`` as ``bytea`` as they are, and the DBAPI ``Binary`` wrapper
+    SQLAlchemy adds was the largest single cost of writing a row (profiled: ~9 us a column, six columns).
+    """
     return [
-        None if c.name in JSON_COLUMNS else c.type.bind_processor(conn.dialect)
+        None
+        if c.name in JSON_COLUMNS or isinstance(c.type, LargeBinary)
+        else c.type.bind_processor(conn.dialect)
         for c in LlmCall.__table__.columns
     ]
 
