@@ -10,7 +10,7 @@ that exists. JSON columns are written as the text ``encode`` produced when it ch
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,8 +52,17 @@ def prepare_batch(calls: Sequence[CallRecord | PreparedCall]) -> dict[str, Prepa
     return prepared
 
 
-def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, PreparedCall]) -> int:
-    """Insert the calls not stored yet, inside the caller's transaction; returns how many were inserted."""
+def write_calls(
+    conn: Connection,
+    insert: DialectInsert,
+    prepared: dict[str, PreparedCall],
+    known_attempts: Container[tuple[str, int]] = (),
+) -> int:
+    """Insert the calls not stored yet, inside the caller's transaction; returns how many were inserted.
+
+    ``known_attempts``: (rollout_id, attempt) pairs whose rows are known to exist (committed earlier), so
+    their run, rollout and attempt rows are not ensured again.
+    """
     existing = _existing_call_ids(conn, list(prepared))
     new = [p for call_id, p in sorted(prepared.items()) if call_id not in existing]  # sorted: one lock order
     if not new:
@@ -76,7 +85,7 @@ def write_calls(conn: Connection, insert: DialectInsert, prepared: dict[str, Pre
             problems[p.record.call_id] = str(exc)
     if problems:
         raise InvalidCall(problems)
-    _ensure_attempts(conn, insert, new)
+    _ensure_attempts(conn, insert, new, known_attempts)
     if conn.dialect.name == "postgresql":
         inserted = copy_insert(conn, rows)
     else:
@@ -178,11 +187,15 @@ def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
     return anchors
 
 
-def _ensure_attempts(conn: Connection, insert: DialectInsert, calls: list[PreparedCall]) -> None:
+def _ensure_attempts(
+    conn: Connection, insert: DialectInsert, calls: list[PreparedCall], known: Container[tuple[str, int]]
+) -> None:
     """Missing parent rows; a created attempt starts under its first call's policy version."""
     firsts: dict[tuple[str, int], CallRecord] = {}
     for p in calls:
         r = p.record
+        if (r.rollout_id, r.attempt) in known:
+            continue
         if (r.rollout_id, r.attempt) not in firsts or r.seq < firsts[(r.rollout_id, r.attempt)].seq:
             firsts[(r.rollout_id, r.attempt)] = r
     ensure_attempts(conn, insert, {key: (r.run, r.policy_version) for key, r in firsts.items()})

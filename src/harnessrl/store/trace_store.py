@@ -41,6 +41,9 @@ DELTA_COLUMNS = (
 )  # fmt: skip
 
 
+KNOWN_ATTEMPTS_MAX = 200_000
+
+
 class TraceStore:
     """Runs, tasks, rollouts, attempts, LLM calls, policy versions and learner steps on one database."""
 
@@ -49,6 +52,9 @@ class TraceStore:
         # Writes start with BEGIN IMMEDIATE on SQLite (see engine.py); PostgreSQL ignores the option.
         self._writer = engine.execution_options(**{WRITE_OPTION: True})
         self._insert = dialect_insert(engine.dialect.name)
+        # Attempts whose rows this store saw committed: their calls skip the parent-row inserts (three
+        # statements a batch). Cleared when large; only ever a shortcut, never a source of truth.
+        self._known_attempts: set[tuple[str, int]] = set()
 
     @classmethod
     def connect(cls, url: str | URL) -> TraceStore:
@@ -394,7 +400,11 @@ class TraceStore:
         if not prepared:
             return 0
         with self._writer.begin() as conn:
-            return write_calls(conn, self._insert, prepared)
+            inserted = write_calls(conn, self._insert, prepared, self._known_attempts)
+        if len(self._known_attempts) > KNOWN_ATTEMPTS_MAX:
+            self._known_attempts.clear()
+        self._known_attempts.update((p.record.rollout_id, p.record.attempt) for p in prepared.values())
+        return inserted
 
     def get_call(self, call_id: str) -> CallRecord:
         """One call, full and bit-exact (rebuilt along its chain of bases)."""
