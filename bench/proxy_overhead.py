@@ -7,9 +7,12 @@ at ``HARNESSRL_BENCH_PG_URL``, else ``HARNESSRL_TEST_PG_URL``, else the local so
 (aiohttp, N concurrent workers, each its own rollout) here.
 
 Printed: p50/p99 latency and throughput, direct and proxied, at concurrency 1 and 64, unary and streamed,
-with the ratios; whether every proxied call was stored; the raw PostgreSQL ceiling (COPY of the same rows,
-already encoded, from one client, no proxy) and the proxy's sustained capture rate as a fraction of it;
-the proxy's RSS after 1k and after 20k calls.
+with the ratios; at concurrency 1, how much of the added latency is the upstream's own work to return token
+ids and log-probs (the same calls sent directly with the fields the proxy adds) and how much is the proxy's;
+CPU milliseconds per call of each process (client, upstream, proxy, PostgreSQL) at concurrency 64, which is
+what bounds throughput when the 2 cores are shared; whether every proxied call was stored; the raw PostgreSQL
+ceiling (COPY of the same rows, already encoded, from one client, into a table like ``llm_calls``) and the
+proxy's capture path (prepare + write, no HTTP) as a fraction of it; the proxy's RSS after 1k and 20k calls.
 
 Targets (issue 3): proxied throughput >= 0.8x direct at concurrency 64; p50 added latency <= 1 ms at
 concurrency 1; every call stored; capture >= 0.7x the COPY ceiling; flat RSS.
@@ -219,33 +222,31 @@ def captured_records(answer: bytes, calls: int, tag: str) -> list:
     return records
 
 
-def writer_drain_rate(pg_url: str, answer: bytes, calls: int, tmp: Path) -> tuple[float, float]:
-    """Calls/s the proxy's writer thread sustains into the store (its queue pre-filled, no HTTP), and the
-    microseconds per call the proxy spends preparing each call for it on the request path."""
-    from harnessrl.proxy.metrics import ProxyMetrics
-    from harnessrl.proxy.spool import Spool
-    from harnessrl.proxy.writer import CallItem, TraceWriter
+def capture_costs(pg_url: str, answer: bytes, calls: int) -> tuple[float, float]:
+    """Microseconds per call of the proxy's capture path without HTTP: preparing each call (the event loop's
+    callback after the answer went out) and writing it (the writer thread's ``add_calls``, batches of 256).
+
+    Each batch is prepared just before it is written, as in the proxy, where a call waits at most the
+    writer's linger (20 ms) between the two; preparing everything first and writing later would measure
+    cold caches instead.
+    """
+    from harnessrl.proxy.writer import CallItem
     from harnessrl.store import TraceStore
 
-    records = captured_records(answer, calls, "drain")
-    start = time.perf_counter()
-    items = [CallItem(record) for record in records]
-    for item in items:
-        item.prepare()
-    prepare_us = (time.perf_counter() - start) / calls * 1e6
-    del records
     store = TraceStore.connect(pg_url)
-    writer = TraceWriter(store, Spool(tmp / "drain.spool"), ProxyMetrics(), batch_size=256)
-    for item in items:
-        writer.put(item)
-    start = time.perf_counter()
-    writer.start()
-    if not writer.flush(600):
-        raise RuntimeError("writer did not drain")
-    rate = calls / (time.perf_counter() - start)
-    writer.close(10)
+    prepare_s = write_s = 0.0
+    for start in range(0, calls, 256):
+        records = captured_records(answer, min(256, calls - start), f"capture{start // 256}")
+        begin = time.perf_counter()
+        items = [CallItem(record) for record in records]
+        for item in items:
+            item.prepare()
+        prepared = time.perf_counter()
+        store.add_calls([item.call for item in items])
+        prepare_s += prepared - begin
+        write_s += time.perf_counter() - prepared
     store.close()
-    return rate, prepare_us
+    return prepare_s / calls * 1e6, write_s / calls * 1e6
 
 
 def stop_servers(proxy: subprocess.Popen, upstream: subprocess.Popen) -> tuple[int, int]:
@@ -397,12 +398,13 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         f"flush ok: {flushed}; proxy exit code on SIGTERM: {proxy_rc}"
     )
     ceiling = copy_ceiling(pg_url, captured_records(answer, args.copy_rows, "copy"))
-    drain, prepare_us = writer_drain_rate(pg_url, answer, args.copy_rows, tmp)
+    prepare_us, write_us = capture_costs(pg_url, answer, args.copy_rows)
     print(f"PostgreSQL COPY ceiling (pre-encoded rows, one client): {ceiling:,.0f} calls/s")
+    capture = 1e6 / (prepare_us + write_us)
     print(
-        f"proxy writer sustained rate (encode + add_calls batches, queue pre-filled): {drain:,.0f} calls/s "
-        f"= {drain / ceiling:.2f}x the ceiling; preparing a call for it costs the request path "
-        f"{prepare_us:.0f} us"
+        f"proxy capture path, no HTTP: prepare {prepare_us:.0f} us + write {write_us:.0f} us per call = "
+        f"{capture:,.0f} calls/s = {capture / ceiling:.2f}x the ceiling (the writer alone: "
+        f"{1e6 / write_us:,.0f} calls/s = {1e6 / write_us / ceiling:.2f}x)"
     )
     if soak is not None:
         end_to_end = soak_calls / capture_seconds
