@@ -8,6 +8,7 @@ context only as long as a successor may reference it.
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime
@@ -194,8 +195,10 @@ def prepare_call(record: CallRecord) -> PreparedCall:
     anchor, input_digests = delta.describe(
         record.call_id, prompt_bytes, completion_bytes, record.request, record.response
     )
+    kept = copy.copy(record)  # the caller's record is left as it was (cheaper than dataclasses.replace)
+    kept.response = None
     return PreparedCall(
-        replace(record, response=None),
+        kept,
         prompt_bytes,
         completion_bytes,
         logprob_bytes,
