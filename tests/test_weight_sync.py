@@ -12,7 +12,14 @@ import httpx
 import pytest
 from proxy_servers import loops, make_proxy, upstream  # noqa: F401 - pytest fixtures
 
-from harnessrl.trainer.weight_sync import ProxyAdminGate, VllmReplica, WeightSync, retry
+from harnessrl.trainer.weight_sync import (
+    ProxyAdminGate,
+    SyncError,
+    VllmReplica,
+    WeightSync,
+    check_inplace_reload,
+    retry,
+)
 
 
 def dead_url() -> str:
@@ -46,7 +53,9 @@ def test_retry_backs_off_exponentially_then_gives_up():
     assert waits == [0.25, 0.5]
 
 
-def test_a_failing_replica_is_retried_reported_and_the_proxies_resume_on_the_old_version(make_proxy, upstream):
+def test_a_failing_replica_is_retried_reported_and_the_proxies_resume_on_the_old_version(
+    make_proxy, upstream
+):
     proxies = [make_proxy([upstream.url]), make_proxy([upstream.url])]
     gate = ProxyAdminGate([p.url for p in proxies], mode="reject", drain_timeout_s=2)
     bad = dead_url()
@@ -72,3 +81,16 @@ def test_without_replicas_the_version_reaches_every_proxy_and_a_dead_proxy_is_re
     assert state(live.url)["policy_version"] == 3 and state(live.url)["paused"] is False
     assert sorted(report.gate_errors) == [f"pause {gone}", f"resume {gone}", f"version {gone}"]
     assert all("ConnectError" in e for e in report.gate_errors.values())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_full_weight_sync_refuses_a_model_with_a_tied_lm_head(tmp_path: Path, tied: bool):
+    """vLLM's in-place reload would leave a tied head on the initial weights: refuse before the first step."""
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=64, hidden_size=32, tie_word_embeddings=tied).save_pretrained(tmp_path)
+    if not tied:
+        check_inplace_reload(tmp_path)  # an untied model syncs by reload
+        return
+    with pytest.raises(SyncError, match=r"tie_word_embeddings: true.*spec\.weightSync\.method to lora"):
+        check_inplace_reload(tmp_path)

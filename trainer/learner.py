@@ -38,7 +38,13 @@ from harnessrl.trainer.engine import EngineSettings, MicroBatch, PolicyEngine, T
 from harnessrl.trainer.losses import LossConfig, aggregation_weights, policy_loss
 from harnessrl.trainer.metrics import LearnerMetrics
 from harnessrl.trainer.rows import Row, RowMode, RowStats, merge_calls_into_rows
-from harnessrl.trainer.weight_sync import ProxyAdminGate, SyncReport, VllmReplica, WeightSync
+from harnessrl.trainer.weight_sync import (
+    ProxyAdminGate,
+    SyncReport,
+    VllmReplica,
+    WeightSync,
+    check_inplace_reload,
+)
 
 log = logging.getLogger(__name__)
 
@@ -456,6 +462,8 @@ def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def default_weight_sync(settings: LearnerSettings) -> WeightSync:
     lora = settings.lora_name if settings.engine.lora is not None else None
+    if lora is None and settings.replicas:
+        check_inplace_reload(settings.model_dir)
     replicas = [VllmReplica(url, lora_name=lora) for url in settings.replicas]
     gate = ProxyAdminGate(settings.proxies, mode=settings.pause_mode, drain_timeout_s=settings.drain_timeout_s) \
         if settings.proxies else None
