@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from harnessrl.local.orphans import die_with_parent
 from harnessrl.scheduler import HarnessExit, Launch
 
 
@@ -75,6 +76,7 @@ class ProcessBackend:
             process = subprocess.Popen(
                 self.command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent(),  # noqa: PLW1509 - safe, see orphans.py
             )
         except OSError as exc:  # bad command: report it as an exit so the attempt fails with the reason
             log.write(f"cannot start {self.command[0]!r}: {exc}\n".encode())

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harnessrl.local.orphans import die_with_parent
 from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
@@ -250,7 +251,8 @@ class LocalRun:
             # Own session: Ctrl-C reaches only the runner, which stops the children in order.
             # cwd: the run directory, never a checkout root whose operator/ could shadow the stdlib's.
             proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    preexec_fn=die_with_parent())  # noqa: PLW1509 - safe, see orphans.py
         self._children[name] = proc
         return proc
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from harnessrl.local.orphans import die_with_parent
+
 DEFAULT_START_TIMEOUT_S = 420.0
 
 
@@ -122,6 +124,7 @@ def start_vllm(model_dir: Path, log_path: Path, *, served_name: str = "policy", 
             vllm_command(Path(model_dir), port, served_name, max_model_len, cpu, extra_args),
             env=vllm_env(log_path.parent / "torchinductor", cpu), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True, cwd=log_path.parent,
+            preexec_fn=die_with_parent(),  # noqa: PLW1509 - safe, see orphans.py
         )
     deadline = time.monotonic() + timeout_s
     try:
