@@ -36,11 +36,10 @@ from pathlib import Path
 
 import aiohttp
 from sqlalchemy import create_engine, text
-from store_write import copy_ceiling, fresh_pg_database
+from store_write import add_pg_option, copy_ceiling, fresh_pg_database
 
 PROMPT_TOKENS = 1000
 COMPLETION_TOKENS = 200
-DEFAULT_PG = "postgresql+psycopg://postgres@/postgres?host=/var/run/postgresql"
 
 
 def free_port() -> int:
@@ -418,12 +417,7 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
-    parser.add_argument(
-        "--pg",
-        default=os.environ.get("HARNESSRL_BENCH_PG_URL")
-        or os.environ.get("HARNESSRL_TEST_PG_URL")
-        or DEFAULT_PG,
-    )
+    add_pg_option(parser)
     args = parser.parse_args()
     args.calls_c1, args.calls_c64, args.total, args.copy_rows = (
         (100, 500, 2000, 1000) if args.quick else (500, 3000, 20000, 3000)

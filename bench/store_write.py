@@ -110,6 +110,16 @@ def _copy_seconds(
         return time.perf_counter() - start
 
 
+def add_pg_option(parser: argparse.ArgumentParser) -> None:
+    """``--pg``: the server a fresh benchmark database is made on (env, else the local socket)."""
+    parser.add_argument(
+        "--pg",
+        default=os.environ.get("HARNESSRL_BENCH_PG_URL")
+        or os.environ.get("HARNESSRL_TEST_PG_URL")
+        or DEFAULT_PG,
+    )
+
+
 @contextmanager
 def fresh_pg_database(admin_url: str) -> Iterator[str]:
     admin = create_engine(
@@ -137,12 +147,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256, help="calls per add_calls")
     parser.add_argument("--only", choices=["sqlite", "postgresql"], help="measure one database")
     parser.add_argument("--profile", choices=["sqlite", "postgresql"], help="cProfile this database's run")
-    parser.add_argument(
-        "--pg",
-        default=os.environ.get("HARNESSRL_BENCH_PG_URL")
-        or os.environ.get("HARNESSRL_TEST_PG_URL")
-        or DEFAULT_PG,
-    )
+    add_pg_option(parser)
     args = parser.parse_args()
     calls = make_calls(args.rollouts, args.turns)
     prompt = sum(len(c.prompt_token_ids) for c in calls) / len(calls)
