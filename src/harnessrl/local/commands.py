@@ -24,7 +24,7 @@ def run_command(spec_file: Path, run_dir: Path | None, store_url: str | None, op
     """Run a TrainingRun on this machine: vLLM, capture proxy, harness processes and the learner."""
     from harnessrl.local.runner import LocalRun, LocalRunOptions, RunError
     from harnessrl.spec.commands import validate_file
-    from harnessrl.spec.documents import load_documents, is_other_object
+    from harnessrl.spec.documents import is_other_object, load_documents
     from harnessrl.spec.problems import parse_training_run
     from harnessrl.store import StoreError
 

@@ -35,6 +35,7 @@ from typing import Any
 from harnessrl.local.orphans import die_with_parent
 from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
+from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.models import TrainingRun
@@ -142,7 +143,6 @@ class LocalRun:
             print(f"run {self.name} already finished {version} steps; nothing to do")
             return 0
         serving = Path(ledger.version(version).checkpoint_path) if version else self.model_dir
-        interrupted = False
         with ExitStack() as stack:  # unwinds in reverse: harnesses, then learner and proxy, then vLLM
             upstream = self._upstream(stack, serving)
             stack.callback(self._stop_children)
@@ -159,22 +159,24 @@ class LocalRun:
             learner = self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
                   f"from {serving}")
-            try:
-                self._loop(store, scheduler, learner)
-            except KeyboardInterrupt:
-                interrupted = True
-                print("\ninterrupted: stopping harnesses, learner, proxy and vLLM; run the same command to resume")
+            with StopSignals() as stop:
+                self._loop(store, scheduler, learner, stop)
+            if stop.received is not None:
+                print(f"\n{stop.received.name}: stopping harnesses, learner, proxy and vLLM (Ctrl-C again stops at "
+                      "once); run the same command to resume", flush=True)
         code = self._children_exit_code("learner")
         self._report(store)
         store.close()
-        if interrupted:
-            return 130
+        if stop.received is not None:
+            return stop.exit_code
         return 0 if code == 0 else 1
 
-    def _loop(self, store: TraceStore, scheduler: RolloutScheduler, learner: subprocess.Popen[bytes]) -> None:
+    def _loop(
+        self, store: TraceStore, scheduler: RolloutScheduler, learner: subprocess.Popen[bytes], stop: StopSignals
+    ) -> None:
         live = self.options.live and sys.stdout.isatty()
         last_line = ""
-        while True:
+        while stop.received is None:
             version = store.latest_policy_version(self.name, synced_only=True) or 0
             scheduler.reconcile(version)
             line = progress_line(summarize(store, self.name), self.steps)
