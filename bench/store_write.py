@@ -9,7 +9,8 @@ turn across rollouts, the way the proxy's queue interleaves live rollouts; each 
 in the same batch or already stored.
 
 Printed per database: calls/s by wall time and CPU ms per call of this process (the GIL cost). For PostgreSQL
-also the ceiling: COPY of the same rows, already encoded, into a temp table from one client.
+also the ceiling: COPY of the same rows, already encoded, from one client, in the text and binary formats;
+ratios are to the faster of the two.
 
     python bench/store_write.py                       # SQLite and PostgreSQL, 2048 calls each
     python bench/store_write.py --profile postgresql  # cProfile of the add_calls batches, top 25 by tottime
@@ -72,42 +73,46 @@ def write_rate(url: str, calls: list[CallRecord], batch: int, profile: bool) -> 
     return len(calls) / wall, cpu / len(calls) * 1e3
 
 
-def copy_ceiling(url: str, calls: list[CallRecord]) -> float:
+def copy_ceiling(url: str, calls: list[CallRecord]) -> dict[str, float]:
     """Calls/s for COPY of the same calls' rows (encoded in full beforehand), from one client, into a table
-    shaped like ``llm_calls`` with its indexes. Not a temp table: that writes no WAL, so it measured a rate
-    no write to ``llm_calls`` can reach (foreign keys are left out: their checks count against the store)."""
-    import psycopg
-
+    shaped like ``llm_calls`` with its indexes, in PostgreSQL's text and binary COPY formats (the store writes
+    binary). Not a temp table: that writes no WAL, so it measured a rate no write to ``llm_calls`` can reach
+    (foreign keys are left out: their checks count against the store)."""
     rows = [prepare_call(c).encode(None) for c in calls]
     columns = list(rows[0])
     json_cols = {"request", "response", "response_stripped"}
-    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
-    table = f"copy_ceiling_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(conninfo, autocommit=True) as admin:
-        admin.execute(f"CREATE TABLE {table} (LIKE llm_calls INCLUDING ALL)")
-    try:
-        return len(rows) / _copy_seconds(conninfo, table, columns, rows, json_cols)
-    finally:
-        with psycopg.connect(conninfo, autocommit=True) as admin:
-            admin.execute(f"DROP TABLE {table}")
-
-
-def _copy_seconds(
-    conninfo: str, table: str, columns: list[str], rows: list[dict], json_cols: set[str]
-) -> float:
-    import psycopg
-
     values = [
         [codec.dumps(row[c]) if c in json_cols and row[c] is not None else row[c] for c in columns]
         for row in rows
     ]
-    with psycopg.connect(conninfo) as conn:
-        start = time.perf_counter()
-        with conn.cursor() as cur, cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN") as copy:
-            for row in values:
-                copy.write_row(row)
-        conn.commit()
-        return time.perf_counter() - start
+    conninfo = make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+    return {fmt: len(rows) / _copy_seconds(conninfo, columns, values, fmt) for fmt in ("text", "binary")}
+
+
+def _copy_seconds(conninfo: str, columns: list[str], values: list[list], fmt: str) -> float:
+    import psycopg
+    from psycopg.types.json import set_json_dumps
+
+    from harnessrl.store.call_copy import COLUMN_TYPES
+
+    table = f"copy_ceiling_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(conninfo, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table} (LIKE llm_calls INCLUDING ALL)")
+        types = dict(admin.execute(COLUMN_TYPES).fetchall())
+    try:
+        with psycopg.connect(conninfo) as conn, conn.cursor() as cur:
+            set_json_dumps(lambda text: text, cur)  # the JSON values are text already
+            start = time.perf_counter()
+            with cur.copy(f"COPY {table} ({', '.join(columns)}) FROM STDIN (FORMAT {fmt.upper()})") as copy:
+                if fmt == "binary":
+                    copy.set_types([types[c] for c in columns])
+                for row in values:
+                    copy.write_row(row)
+            conn.commit()
+            return time.perf_counter() - start
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as admin:
+            admin.execute(f"DROP TABLE {table}")
 
 
 def add_pg_option(parser: argparse.ArgumentParser) -> None:
@@ -164,10 +169,12 @@ def main() -> None:
         else:
             with fresh_pg_database(args.pg) as url:
                 rate, cpu_ms = write_rate(url, calls, args.batch, args.profile == db)
-                ceiling = copy_ceiling(url, calls)
+                ceilings = copy_ceiling(url, calls)
+            ceiling = max(ceilings.values())
             print(f"postgresql  add_calls: {rate:8,.0f} calls/s, {cpu_ms:.3f} CPU ms/call in this process")
             print(
-                f"postgresql  COPY ceiling (pre-encoded rows): {ceiling:8,.0f} calls/s; add_calls = "
+                f"postgresql  COPY ceiling (pre-encoded rows): {ceiling:8,.0f} calls/s "
+                f"(binary {ceilings['binary']:,.0f}, text {ceilings['text']:,.0f}); add_calls = "
                 f"{rate / ceiling:.2f}x of it"
             )
 

