@@ -306,8 +306,40 @@ def start_servers(pg_url: str, tmp: Path) -> tuple[subprocess.Popen, subprocess.
     return upstream, proxy, f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{proxy_port}"
 
 
+C1_BLOCKS = 5
+
+
+async def c1_paths(direct: str, relayed: str, proxied: str, calls: int, stream: bool) -> dict[str, Result]:
+    """Concurrency-1 calls by each path: direct; direct asking for what the proxy adds (token ids and
+    log-probs); through the relay (unary only: it reads whole bodies); through the proxy. The paths take turns
+    in blocks, so the drift of a shared machine falls on all of them alike."""
+    paths: dict[str, tuple[str, bool, dict | None]] = {
+        "direct": (direct, False, None),
+        "fields": (direct, False, CAPTURE_FIELDS),
+        "proxy": (proxied, True, None),
+    }
+    if not stream:
+        paths["relay"] = (relayed, True, CAPTURE_FIELDS)
+    pooled = {name: Result([], 0.0) for name in paths}
+    for block in range(C1_BLOCKS):
+        for name, (base, gateway, extra) in paths.items():
+            tag = f"c1{'s' if stream else 'u'}-{name}-{block}"
+            result = await load(base, calls // C1_BLOCKS, 1, stream, gateway, tag, extra)
+            pooled[name].latencies.extend(result.latencies)
+            pooled[name].seconds += result.seconds
+    return pooled
+
+
+def start_relay(upstream: str) -> tuple[subprocess.Popen, str]:
+    """``relay.py`` in front of ``upstream``: one extra hop that does nothing."""
+    port = free_port()
+    relay = subprocess.Popen([sys.executable, str(Path(__file__).with_name("relay.py")), upstream, str(port)])
+    return relay, f"http://127.0.0.1:{port}"
+
+
 async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
     upstream, proxy, direct, proxied = start_servers(pg_url, tmp)
+    relay, relayed = start_relay(direct)
     sent = 0
     rss: dict[str, float] = {}
     try:
@@ -318,14 +350,15 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         answer = await upstream_answer(direct)
         sent += 50
         rows = []
-        plan = [(1, False), (1, True), (64, False), (64, True)]
         cpu: dict[str, CpuShare] = {}
-        # The upstream's own extra time to produce token ids and log-probs, which the proxy asks for
-        captured = {
-            s: await load(direct, args.calls_c1, 1, s, False, "dc", CAPTURE_FIELDS) for s in (False, True)
-        }
+        await wait_healthy(f"{relayed}/healthz")
+        c1 = {s: await c1_paths(direct, relayed, proxied, args.calls_c1, s) for s in (False, True)}
+        for stream, paths in c1.items():
+            rows.append((1, stream, paths["direct"], paths["proxy"]))
+            sent += len(paths["proxy"].latencies)
+        plan = [(64, False), (64, True)]
         for concurrency, stream in plan:
-            n = args.calls_c1 if concurrency == 1 else args.calls_c64
+            n = args.calls_c64
             meter = CpuMeter(upstream.pid, proxy.pid)
             d = await load(direct, n, concurrency, stream, False, "d")
             if (concurrency, stream) == (64, False):
@@ -349,6 +382,8 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         capture_seconds = time.perf_counter() - soak_start
         rss[f"{sent // 1000}k"] = rss_mib(proxy.pid)
     finally:
+        relay.terminate()
+        relay.wait()
         proxy_rc, _ = await asyncio.to_thread(stop_servers, proxy, upstream)
 
     print(
@@ -365,15 +400,22 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         direct_cells = (d.pct(0.5) * 1e3, d.pct(0.99) * 1e3, d.throughput)
         proxy_cells = (p.pct(0.5) * 1e3, p.pct(0.99) * 1e3, p.throughput)
         print(row.format(concurrency, mode, *direct_cells, *proxy_cells, added, p.throughput / d.throughput))
-    for concurrency, stream, d, p in rows:
-        if concurrency == 1:
-            upstream_extra = (captured[stream].pct(0.5) - d.pct(0.5)) * 1e3
-            own = (p.pct(0.5) - captured[stream].pct(0.5)) * 1e3
-            print(
-                f"concurrency 1, {'stream' if stream else 'unary'}: of the added p50, the upstream answering "
-                f"with token ids and log-probs (asked for directly) takes {upstream_extra:.2f} ms; "
-                f"the proxy itself {own:.2f} ms"
+    for stream, paths in c1.items():
+        p50 = {name: result.pct(0.5) * 1e3 for name, result in paths.items()}
+        split = (
+            f"concurrency 1, {'stream' if stream else 'unary'}, the added p50 split (the paths took turns in "
+            f"{C1_BLOCKS} blocks): the upstream answering with token ids and log-probs (asked for directly) "
+            f"{p50['fields'] - p50['direct']:.2f} ms"
+        )
+        if "relay" in p50:
+            split += (
+                f"; one more hop, through a relay that only forwards the bytes (aiohttp on uvloop, as the proxy) "
+                f"{p50['relay'] - p50['fields']:.2f} ms; the proxy's own work beyond such a hop "
+                f"{p50['proxy'] - p50['relay']:.2f} ms"
             )
+        else:
+            split += f"; the proxy itself {p50['proxy'] - p50['fields']:.2f} ms"
+        print(split)
     print("\nCPU ms per call at concurrency 64, unary (capture to PostgreSQL runs after each answer):")
     print(
         "{:>8} | {:>7} {:>8} {:>7} {:>8} | {:>7}".format(
