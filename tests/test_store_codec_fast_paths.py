@@ -135,21 +135,44 @@ def test_odd_response_arrays_are_kept_verbatim_and_restored_exactly() -> None:
 
 
 @pytest.mark.postgres
-def test_postgres_copy_skips_a_call_another_writer_stored_in_between(pg_url: str) -> None:
-    """The direct COPY meets a unique violation; the fallback inserts only the new calls, same transaction."""
+def test_postgres_copy_skips_a_call_another_writer_stored_in_between(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another writer stores two of the batch's calls after the batch's lookup: the direct COPY meets the
+    unique violation, and the batch is written again, conflict-safe, with only the two new calls."""
     from synthetic_calls import chat_trajectory
 
-    from harnessrl.store import TraceStore
-    from harnessrl.store.call_copy import copy_insert
+    from harnessrl.store import TraceStore, call_writer
+    from harnessrl.store.call_copy import CopyConflict, copy_insert
     from harnessrl.store.call_writer import prepare_batch
 
     calls = chat_trajectory("race", 4, system_tokens=30, observation_tokens=10, completion_tokens=5)
+    lookup = call_writer._lookup
+    lookups: list[set[str]] = []
+
+    def late_lookup(conn, call_ids, keys):
+        lookups.append(lookup(conn, call_ids, keys)[0])
+        if len(lookups) == 1:  # the first lookup ran before the other writer committed: it saw nothing
+            return set(), {}
+        return lookup(conn, call_ids, keys)
+
     with TraceStore.connect(pg_url) as store:
         store.upgrade()
-        assert store.add_calls(calls[:2]) == 2  # "the other writer": stored after our existence check
-        prepared = prepare_batch(calls)
-        rows = [(p, p.encode(None)) for _, p in sorted(prepared.items())]
-        with store._writer.begin() as conn:
-            assert copy_insert(conn, rows) == {c.call_id for c in calls[2:]}
+        assert store.add_calls(calls[:2]) == 2  # "the other writer"
+        monkeypatch.setattr(call_writer, "_lookup", late_lookup)
+        assert store.add_calls(calls) == 2
+        stored_first = {c.call_id for c in calls[:2]}
+        assert lookups == [stored_first, stored_first]  # the direct COPY failed; the batch was written again
         assert store.read_calls("race", 0) == calls  # the stored two untouched, the new two exact
+        monkeypatch.undo()
         assert store.add_calls(calls) == 0
+        # the conflict-safe insert on its own, and the direct COPY's refusal, in the caller's transaction
+        prepared = prepare_batch(
+            chat_trajectory("race2", 4, system_tokens=30, observation_tokens=10, completion_tokens=5)
+        )
+        rows = [(p, p.encode(None)) for _, p in sorted(prepared.items())]
+        assert store.add_calls([p for p, _ in rows[:2]]) == 2
+        with pytest.raises(CopyConflict), store._writer.begin() as conn:
+            copy_insert(conn, rows)
+        with store._writer.begin() as conn:
+            assert copy_insert(conn, rows, conflict_safe=True) == {p.record.call_id for p, _ in rows[2:]}

@@ -4,17 +4,20 @@ A multi-row ``INSERT ... VALUES`` of a 256-call batch is a statement of ~8,000 p
 anew for every batch (its statement cache skips long queries): that Python work ran on the proxy's writer
 thread and took the GIL from the request path. COPY streams the rows with no statement to parse.
 
-The writer has just checked which call_ids are stored, so the rows are copied straight into ``llm_calls``
-under a savepoint. Only when another writer stored one of them in between (a unique violation) are they
-copied into a temp table and moved with ``INSERT ... SELECT ... ORDER BY call_id ON CONFLICT (call_id) DO
-NOTHING RETURNING call_id``, the plain insert's exact semantics (idempotent on call_id, one lock order).
+The writer has just checked which call_ids are stored, so the rows are copied straight into ``llm_calls``.
+Only when another writer stored one of them in between does the COPY fail (a unique violation, raised as
+``CopyConflict``; the transaction is lost), and the caller writes the batch again with ``conflict_safe``: the
+rows are copied into a temp table and moved with ``INSERT ... SELECT ... ORDER BY call_id ON CONFLICT
+(call_id) DO NOTHING RETURNING call_id``, the plain insert's exact semantics (idempotent on call_id, one lock
+order). A savepoint around the direct COPY would spare that retry, but cost two round trips on every batch
+for a race between writers of the same call (two proxies replaying one spool) that almost never happens.
 The temp table lives for the session, is emptied at every commit and is named after the column list, so a
 connection that outlives a schema change gets a fresh one. JSON columns are sent as the text the call's
 encoding already produced, so nothing is serialised twice.
 
 COPY runs in PostgreSQL's binary format: token arrays, log-probs and digests go over as they are, where the
 text format escapes every byte of a ``bytea`` into hex for the server to parse back (measured: binary COPY of
-the proxy's benchmark rows is 1.2-1.6x the text format's rate). Binary COPY needs each column's type: they
+the proxy's benchmark rows is 1.5-2.2x the text format's rate). Binary COPY needs each column's type: they
 are read from the catalog once per connection, so the types always follow the migrated table.
 """
 
@@ -71,10 +74,18 @@ def _values(p: PreparedCall, row: dict[str, Any], processors: list[Callable[[Any
     return out
 
 
-def copy_insert(conn: Connection, calls: Sequence[tuple[PreparedCall, dict[str, Any]]]) -> set[str]:
+class CopyConflict(Exception):
+    """Another writer stored one of the batch's call_ids after the batch's lookup; the transaction is lost.
+    Write the batch again in a new transaction with ``conflict_safe=True``."""
+
+
+def copy_insert(
+    conn: Connection, calls: Sequence[tuple[PreparedCall, dict[str, Any]]], *, conflict_safe: bool = False
+) -> set[str]:
     """Insert the (call, row) pairs inside the caller's transaction; returns the call_ids inserted.
 
     Rows go in call_id order (the caller sorts them), so concurrent writers take row locks in one order.
+    Raises ``CopyConflict`` unless ``conflict_safe``, which skips the call_ids stored already.
     """
     processors = _bind_processors(conn)
     values = [_values(p, row, processors) for p, row in calls]
@@ -82,12 +93,12 @@ def copy_insert(conn: Connection, calls: Sequence[tuple[PreparedCall, dict[str, 
     set_json_dumps(_as_is, cursor)  # JSON values are already text (psycopg would encode a str as a string)
     types = _column_types(conn, cursor)
     try:
-        try:
-            with conn.begin_nested():
+        if not conflict_safe:
+            try:
                 _copy(cursor, COPY_DIRECT, types, values)
+            except UniqueViolation as exc:
+                raise CopyConflict(str(exc).splitlines()[0]) from exc
             return {p.record.call_id for p, _ in calls}
-        except UniqueViolation:
-            pass
         cursor.execute(CREATE_TEMP)
         _copy(cursor, COPY_IN, types, values)
         cursor.execute(MOVE)

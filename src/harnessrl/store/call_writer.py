@@ -14,11 +14,26 @@ calls are placed after the stored ones (``_renumber_restarted``). JSON columns a
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Connection, Integer, String, Text, and_, any_, bindparam, func, select, tuple_, update
+from sqlalchemy import (
+    Connection,
+    Integer,
+    Row,
+    String,
+    Text,
+    and_,
+    any_,
+    bindparam,
+    func,
+    literal,
+    select,
+    tuple_,
+    union_all,
+    update,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
@@ -61,18 +76,23 @@ def write_calls(
     insert: DialectInsert,
     prepared: dict[str, PreparedCall],
     known_attempts: Container[tuple[str, int]] = (),
+    *,
+    conflict_safe: bool = False,
 ) -> int:
     """Insert the calls not stored yet, inside the caller's transaction; returns how many were inserted.
 
     ``known_attempts``: (rollout_id, attempt) pairs whose rows are known to exist (committed earlier), so
-    their run, rollout and attempt rows are not ensured again.
+    their run, rollout and attempt rows are not ensured again. On PostgreSQL, raises ``CopyConflict`` when
+    another writer stored one of the calls meanwhile, unless ``conflict_safe`` (see ``call_copy``).
     """
-    existing = _existing_call_ids(conn, list(prepared))
+    # One lookup finds the call_ids stored already, the stored predecessors, and any stored call already
+    # holding a batch call's place (keys of calls that turn out stored are asked for too: harmless, and it
+    # saves a round trip).
+    keys = {k for p in prepared.values() for k in (p.key, p.predecessor_key) if k is not None}
+    existing, stored = _lookup(conn, list(prepared), keys)
     new = [p for call_id, p in sorted(prepared.items()) if call_id not in existing]  # sorted: one lock order
     if not new:
         return 0
-    # one query finds both the stored predecessors and any stored call already holding a batch call's place
-    stored = _stored_anchors(conn, {k for p in new for k in (p.key, p.predecessor_key) if k is not None})
     if any(p.key in stored for p in new):
         _renumber_restarted(conn, new, stored)
     in_batch: dict[Key, PreparedCall] = {}
@@ -91,7 +111,7 @@ def write_calls(
         raise InvalidCall(problems)
     _ensure_attempts(conn, insert, new, known_attempts)
     if conn.dialect.name == "postgresql":
-        inserted = copy_insert(conn, rows)
+        inserted = copy_insert(conn, rows, conflict_safe=conflict_safe)
     else:
         inserted = set(conn.scalars(_insert_with_json_text(insert), [_with_json_text(p, r) for p, r in rows]))
     _unlink_from_skipped(conn, new, inserted)
@@ -145,10 +165,50 @@ def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:
-    if conn.dialect.name == "postgresql":  # one array parameter: no query text that grows with the batch
-        ids = bindparam("ids", sorted(call_ids), type_=ARRAY(String))
-        return set(conn.scalars(select(LlmCall.call_id).where(LlmCall.call_id == any_(ids))))
+# PostgreSQL statements, built once: building these constructs cost more than running them (~0.6 ms a
+# batch). The keys go as three array parameters, unnested into rows and joined on the (rollout, attempt, seq)
+# index; an IN list of row values cost psycopg milliseconds per query to parse for a full batch.
+_WANTED = (
+    func.unnest(
+        bindparam("rollouts", type_=ARRAY(String)),
+        bindparam("attempts", type_=ARRAY(Integer)),
+        bindparam("seqs", type_=ARRAY(Integer)),
+    )
+    .table_valued("rollout_id", "attempt", "seq")
+    .render_derived()
+)
+_AT_KEYS = select(*ANCHOR_COLUMNS, literal(True).label("by_key")).join_from(
+    LlmCall,
+    _WANTED,
+    and_(
+        LlmCall.rollout_id == _WANTED.c.rollout_id,
+        LlmCall.attempt == _WANTED.c.attempt,
+        LlmCall.seq == _WANTED.c.seq,
+    ),
+)
+_BY_IDS = select(*ANCHOR_COLUMNS, literal(False).label("by_key")).where(
+    LlmCall.call_id == any_(bindparam("ids", type_=ARRAY(String)))
+)
+_PG_LOOKUP = union_all(_AT_KEYS, _BY_IDS)
+
+
+def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[str], dict[Key, Anchor]]:
+    """(the call_ids stored already, the stored rows at ``keys`` as anchors); one query on PostgreSQL."""
+    if conn.dialect.name != "postgresql":
+        return _sqlite_existing(conn, call_ids), _stored_anchors(conn, keys)
+    rollouts, attempts, seqs = zip(*sorted(keys), strict=True) if keys else ((), (), ())
+    params = {"ids": call_ids, "rollouts": list(rollouts), "attempts": list(attempts), "seqs": list(seqs)}
+    existing: set[str] = set()
+    at_keys = []
+    for row in conn.execute(_PG_LOOKUP, params):
+        if row.by_key:
+            at_keys.append(row)
+        else:
+            existing.add(row.call_id)
+    return existing, _anchors(at_keys)
+
+
+def _sqlite_existing(conn: Connection, call_ids: list[str]) -> set[str]:
     found: set[str] = set()
     for chunk in chunks(sorted(call_ids)):
         found.update(conn.scalars(select(LlmCall.call_id).where(LlmCall.call_id.in_(chunk))))
@@ -156,38 +216,27 @@ def _existing_call_ids(conn: Connection, call_ids: list[str]) -> set[str]:
 
 
 def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
-    anchors: dict[Key, Anchor] = {}
     if not keys:
-        return anchors
+        return {}
     if conn.dialect.name == "postgresql":
-        # The keys as three array parameters, unnested into rows and joined on the (rollout, attempt, seq)
-        # index. An IN list of row values costs psycopg milliseconds per query to parse for a full batch.
         rollouts, attempts, seqs = zip(*sorted(keys), strict=True)
-        wanted = (
-            func.unnest(
-                bindparam("rollouts", list(rollouts), type_=ARRAY(String)),
-                bindparam("attempts", list(attempts), type_=ARRAY(Integer)),
-                bindparam("seqs", list(seqs), type_=ARRAY(Integer)),
-            )
-            .table_valued("rollout_id", "attempt", "seq")
-            .render_derived()
+        params = {"rollouts": list(rollouts), "attempts": list(attempts), "seqs": list(seqs)}
+        return _anchors(conn.execute(_AT_KEYS, params))
+    rows = []
+    for chunk in chunks(sorted(keys)):
+        query = select(*ANCHOR_COLUMNS).where(
+            tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk))
         )
-        match = and_(
-            LlmCall.rollout_id == wanted.c.rollout_id,
-            LlmCall.attempt == wanted.c.attempt,
-            LlmCall.seq == wanted.c.seq,
-        )
-        queries = [select(*ANCHOR_COLUMNS).join_from(LlmCall, wanted, match)]
-    else:
-        queries = [
-            select(*ANCHOR_COLUMNS).where(
-                tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk))
-            )
-            for chunk in chunks(sorted(keys))
-        ]
-    for query in queries:
-        for row in conn.execute(query.order_by(LlmCall.call_id)):
-            anchors.setdefault((row.rollout_id, row.attempt, row.seq), anchor_from_row(row))
+        rows.extend(conn.execute(query))
+    return _anchors(rows)
+
+
+def _anchors(rows: Iterable[Row[Any]]) -> dict[Key, Anchor]:
+    """Anchors by key; where two stored calls hold one key (data from before restarts were renumbered), the
+    lowest call_id, so every writer picks the same."""
+    anchors: dict[Key, Anchor] = {}
+    for row in sorted(rows, key=lambda r: r.call_id):
+        anchors.setdefault((row.rollout_id, row.attempt, row.seq), anchor_from_row(row))
     return anchors
 
 

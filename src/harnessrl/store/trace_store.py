@@ -19,6 +19,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store import codec, migrate
+from harnessrl.store.call_copy import CopyConflict
 from harnessrl.store.call_rows import CallRebuilder, PreparedCall, check_id, stored_call_from_row
 from harnessrl.store.call_writer import prepare_batch, write_calls
 from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
@@ -399,8 +400,12 @@ class TraceStore:
         prepared = prepare_batch(calls)
         if not prepared:
             return 0
-        with self._writer.begin() as conn:
-            inserted = write_calls(conn, self._insert, prepared, self._known_attempts)
+        try:
+            with self._writer.begin() as conn:
+                inserted = write_calls(conn, self._insert, prepared, self._known_attempts)
+        except CopyConflict:  # another writer stored some of these calls meanwhile: once more, skipping them
+            with self._writer.begin() as conn:
+                inserted = write_calls(conn, self._insert, prepared, self._known_attempts, conflict_safe=True)
         if len(self._known_attempts) > KNOWN_ATTEMPTS_MAX:
             self._known_attempts.clear()
         self._known_attempts.update((p.record.rollout_id, p.record.attempt) for p in prepared.values())
