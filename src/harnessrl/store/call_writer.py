@@ -5,9 +5,10 @@ DO NOTHING`` (SQLAlchemy's insertmanyvalues pages it), on PostgreSQL a COPY with
 ``call_copy``), so a replayed or concurrently written call_id is skipped without touching the stored row.
 
 A predecessor is taken from the same batch or from its stored row's digests, never from memory alone, so a
-delta always references a row that exists. The one lookup that finds stored predecessors also finds stored
-calls holding a batch call's (rollout, attempt, seq): a proxy that restarted numbers from 0 again, and its
-calls are placed after the stored ones (``_renumber_restarted``). JSON columns are written as the text
+delta always references a row that exists. The one lookup that finds stored predecessors (one statement on
+PostgreSQL) also finds the batch's call_ids stored already and stored calls holding a batch call's (rollout,
+attempt, seq): a proxy that restarted numbers from 0 again, and its calls are placed after the stored ones
+(``_renumber_restarted``). JSON columns are written as the text
 ``encode`` produced when it checked them (serialised once).
 """
 
