@@ -8,8 +8,8 @@ A predecessor is taken from the same batch or from its stored row's digests, nev
 delta always references a row that exists. The one lookup that finds stored predecessors (one statement on
 PostgreSQL) also finds the batch's call_ids stored already and stored calls holding a batch call's (rollout,
 attempt, seq): a proxy that restarted numbers from 0 again, and its calls are placed after the stored ones
-(``_renumber_restarted``). JSON columns are written as the text
-``encode`` produced when it checked them (serialised once).
+(``_renumber_restarted``). JSON columns are written as the text ``encode`` produced when it checked them
+(serialised once).
 """
 
 from __future__ import annotations
@@ -197,8 +197,7 @@ def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[
     """(the call_ids stored already, the stored rows at ``keys`` as anchors); one query on PostgreSQL."""
     if conn.dialect.name != "postgresql":
         return _sqlite_existing(conn, call_ids), _stored_anchors(conn, keys)
-    rollouts, attempts, seqs = zip(*sorted(keys), strict=True) if keys else ((), (), ())
-    params = {"ids": call_ids, "rollouts": list(rollouts), "attempts": list(attempts), "seqs": list(seqs)}
+    params = {"ids": call_ids, **_key_arrays(keys)}
     existing: set[str] = set()
     at_keys = []
     for row in conn.execute(_PG_LOOKUP, params):
@@ -207,6 +206,12 @@ def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[
         else:
             existing.add(row.call_id)
     return existing, _anchors(at_keys)
+
+
+def _key_arrays(keys: set[Key]) -> dict[str, list[Any]]:
+    """The keys as the three array parameters ``_WANTED`` unnests."""
+    rollouts, attempts, seqs = zip(*sorted(keys), strict=True) if keys else ((), (), ())
+    return {"rollouts": list(rollouts), "attempts": list(attempts), "seqs": list(seqs)}
 
 
 def _sqlite_existing(conn: Connection, call_ids: list[str]) -> set[str]:
@@ -220,9 +225,7 @@ def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
     if not keys:
         return {}
     if conn.dialect.name == "postgresql":
-        rollouts, attempts, seqs = zip(*sorted(keys), strict=True)
-        params = {"rollouts": list(rollouts), "attempts": list(attempts), "seqs": list(seqs)}
-        return _anchors(conn.execute(_AT_KEYS, params))
+        return _anchors(conn.execute(_AT_KEYS, _key_arrays(keys)))
     rows = []
     for chunk in chunks(sorted(keys)):
         query = select(*ANCHOR_COLUMNS).where(
