@@ -3,6 +3,14 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh -k store -x).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The Kubernetes tests run on a real control plane built from Go modules (cached under ~/.cache/harnessrl;
+# a cold build takes tens of minutes, a warm one nothing). It builds with the system Python while pip fills
+# the venv (the build is CPU-bound, the install mostly waits on downloads), and before pytest, so its time is
+# not charged to a test's timeout. A cluster test that cannot start its cluster then fails, never skips,
+# unless HARNESSRL_TEST_KUBE_REQUIRED=0 is set by hand.
+kube_log=$(mktemp)
+python3 src/harnessrl/devcluster/build.py >"$kube_log" 2>&1 &
+kube_build=$!
 scripts/setup.sh test
 # shellcheck disable=SC1091
 . .venv/bin/activate
@@ -14,12 +22,11 @@ else
   echo "WARNING: no PostgreSQL server could be started; PostgreSQL tests will be skipped" >&2
 fi
 trap stop_postgres EXIT
-# The Kubernetes tests run on a real control plane built from Go modules (cached under ~/.cache/harnessrl;
-# a cold build takes tens of minutes, a warm one nothing). Built here, before pytest, so that time is not
-# charged to a test's timeout. A cluster test that cannot start its cluster then fails, never skips, unless
-# HARNESSRL_TEST_KUBE_REQUIRED=0 is set by hand.
 export HARNESSRL_TEST_KUBE_REQUIRED="${HARNESSRL_TEST_KUBE_REQUIRED:-1}"
-scripts/kube.sh build || echo "WARNING: the Kubernetes control plane could not be built; its tests will fail" >&2
+if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build; else
+  cat "$kube_log" >&2; echo "WARNING: the Kubernetes control plane could not be built; its tests will fail" >&2
+fi
+rm -f "$kube_log"
 # pytest's exit code is the script's (not exec: the EXIT trap must stop PostgreSQL); 5, nothing collected,
 # is a failure too.
 pytest "$@"

@@ -227,3 +227,15 @@ def _go_version(go: str) -> str:
 def _last_line(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(no output)"
+
+
+if __name__ == "__main__":
+    # `python3 src/harnessrl/devcluster/build.py` needs only the standard library, so scripts/test.sh can
+    # build the binaries with the system Python while pip is still filling the venv.
+    import sys
+
+    try:
+        ensure_binaries(lambda line: print(line, file=sys.stderr, flush=True))
+    except BuildError as error:
+        print(error, file=sys.stderr)
+        sys.exit(1)
