@@ -36,6 +36,8 @@ async def _serve(config: ProxyConfig) -> None:
     try:
         if config.store_upgrade:
             await loop.run_in_executor(None, store.upgrade)
+        else:
+            await loop.run_in_executor(None, _require_schema, store)
         proxy = CaptureProxy(config, store)
         runner, url = await start_proxy(proxy, config.proxy_host, config.proxy_port)
         # Start-up objects (modules, app, engine) are never scanned by the cyclic collector again. (Raising
@@ -58,6 +60,32 @@ async def _serve(config: ProxyConfig) -> None:
         await runner.cleanup()
     finally:
         await loop.run_in_executor(None, store.close)
+
+
+class StoreNotReady(RuntimeError):
+    """The store answers but has no (or an older) harnessrl schema: every call would be spooled forever."""
+
+
+def _require_schema(store: object) -> None:
+    """Refuse to serve on a store that answers but was never migrated (or is behind this version).
+
+    A store that does not answer is fine: the proxy spools calls until it does, which is what a sidecar
+    started before the database needs.
+    """
+    from sqlalchemy.exc import OperationalError
+
+    from harnessrl.store.migrate import current_revision, head_revision
+
+    try:
+        current = current_revision(store.engine)  # type: ignore[attr-defined]
+    except OperationalError:
+        return
+    head = head_revision()
+    if current != head:
+        url = store.url  # type: ignore[attr-defined]
+        state = "has no harnessrl schema" if current is None else f"is at schema revision {current}, not {head}"
+        raise StoreNotReady(f"the store {url} {state} — run `harnessrl db upgrade --url {url}` first, or start "
+                            "the proxy with --upgrade-db")
 
 
 def _run(main: object) -> None:
@@ -147,6 +175,8 @@ def proxy_command(log_level: str, **flags: object) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         _run(_serve(config))
+    except StoreNotReady as exc:
+        raise click.ClickException(str(exc)) from None
     except OSError as exc:  # e.g. the port is taken
         raise click.ClickException(
             f"cannot serve on {config.proxy_host}:{config.proxy_port}: {exc}"

@@ -314,6 +314,19 @@ def test_cli_refuses_bad_settings_with_one_line(tmp_path):
     assert proc.returncode == 2 and "HARNESSRL_SAMPLING" in proc.stderr and "not JSON" in proc.stderr
 
 
+def test_cli_refuses_a_store_that_was_never_migrated(tmp_path):
+    """Serving on it would spool every call forever ("no such table"); the store answers, so say what to do."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HARNESSRL_")}
+    url = f"sqlite:///{tmp_path}/new.db"
+    command = [sys.executable, "-m", "harnessrl.cli", "proxy", "--upstream", "http://127.0.0.1:1", "--store", url,
+               "--port", str(free_port())]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    [line] = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert line == (f"Error: the store {url} has no harnessrl schema — run `harnessrl db upgrade --url {url}` "
+                    "first, or start the proxy with --upgrade-db")
+
+
 # ------------------------------------------------------------------------------------ database outages
 
 
