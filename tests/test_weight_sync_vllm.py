@@ -5,7 +5,8 @@
    fails (retried, reported), version 1 is committed but not synced, the proxy is resumed on version 0.
 3. A restarted learner finds version 1 committed but unsynced and syncs it to the real replica: now it is
    marked synced, the proxy labels new calls with version 1, and the server's greedy output has changed and
-   equals the learner's own greedy decode (transformers) of the published version-1 weights.
+   is the argmax of the published version-1 weights in transformers wherever that argmax is clear (and its
+   log-probs are those weights' everywhere).
 
 The server is shared with other tests (session fixture), so its base weights are reloaded at the end.
 """
@@ -64,13 +65,29 @@ def hf_logprobs(model_dir: Path, prompt: list[int], tokens: list[int]) -> list[f
     return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], n: int = 12) -> list[int]:
+# Two engines (vLLM's CPU kernels, transformers) agree on log-probs to ~1e-3, so an argmax is only theirs to
+# agree on where the top two candidates are further apart than that. A near-tie (seen: 21 vs 929, margin
+# ~1e-4) may go either way; past it the two greedy continuations are different sequences.
+CLEAR_MARGIN = 0.05
+
+
+def greedy_agreement(model_dir: Path, prompt: list[int], served: list[int]) -> int:
+    """How many of the server's greedy tokens transformers checked (positions up to the first near-tie);
+    fails at the first clear-margin position where transformers' argmax differs from the server's token."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist()
+        logp = torch.log_softmax(model(torch.tensor([prompt + served])).logits[0].float(), -1)
+    for i, token in enumerate(served):
+        top = torch.topk(logp[len(prompt) - 1 + i], 2)
+        if (top.values[0] - top.values[1]).item() < CLEAR_MARGIN:
+            return i
+        assert token == top.indices[0].item(), (
+            f"position {i}: the server chose {token}, transformers {top.indices[0].item()} "
+            f"(margin {(top.values[0] - top.values[1]).item():.3f})"
+        )
+    return len(served)
 
 
 class WatchedReplica(VllmReplica):
@@ -143,7 +160,9 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         published = out / "versions" / "v000001"
         after = [server_greedy(vllm_server.base_url, vllm_server.model, p) for p in PROBE_PROMPTS]
         assert after != before
-        assert after == [hf_greedy(published, p) for p in PROBE_PROMPTS]
+        checked = [greedy_agreement(published, prompt, tokens) for prompt, tokens in zip(PROBE_PROMPTS, after)]
+        print(f"greedy tokens checked against transformers (up to the first near-tie): {checked}")
+        assert sum(checked) > 0, checked
         # Not only the argmax: every log-prob is the published weights' (a replica serving a stale LM head or
         # stale prefix-cache entries would pass the greedy check and fail this one).
         for prompt in PROBE_PROMPTS:
