@@ -17,7 +17,14 @@ import yaml
 
 from harnessrl.devcluster import BuildError, Cluster, ClusterError, ensure_binaries, start_cluster
 from harnessrl.devcluster.build import KUBERNETES_VERSION
-from harnessrl.devcluster.kwok import EXIT_CODE, REASON, RUN_FOR, STAGES_FILE, WAITING_REASON
+from harnessrl.devcluster.kwok import (
+    EXIT_CODE,
+    IMAGE_PULL_BACKOFF_IMAGE,
+    REASON,
+    RUN_FOR,
+    STAGES_FILE,
+    WAITING_REASON,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -140,6 +147,7 @@ def test_pods_end_as_their_annotations_say(kube: Cluster, kube_namespace: str) -
         pod("oom", {RUN_FOR: "1s", EXIT_CODE: "137", REASON: "OOMKilled"}),
         pod("forever"),
         pod("bad-image", {WAITING_REASON: "ImagePullBackOff"}),
+        {**pod("pull-backoff"), "spec": {"containers": [{"name": "main", "image": IMAGE_PULL_BACKOFF_IMAGE}]}},
     )
     wait_for("ok to succeed", lambda: phase_of(kube, ns, "ok") == "Succeeded")
     wait_for("crash to fail", lambda: phase_of(kube, ns, "crash") == "Failed")
@@ -151,9 +159,11 @@ def test_pods_end_as_their_annotations_say(kube: Cluster, kube_namespace: str) -
     assert (terminated["ok"]["exitCode"], terminated["ok"]["reason"]) == (0, "Completed")
     assert (terminated["crash"]["exitCode"], terminated["crash"]["reason"]) == (3, "Error")
     assert (terminated["oom"]["exitCode"], terminated["oom"]["reason"]) == (137, "OOMKilled")
-    waiting = get(kube, "pod", "bad-image", "-n", ns)["status"]
-    assert waiting["phase"] == "Pending"
-    assert waiting["containerStatuses"][0]["state"]["waiting"]["reason"] == "ImagePullBackOff"
+    for name in ("bad-image", "pull-backoff"):
+        waiting = wait_for(f"{name} to report its waiting reason",
+                           lambda name=name: get(kube, "pod", name, "-n", ns)["status"].get("containerStatuses"))
+        assert get(kube, "pod", name, "-n", ns)["status"]["phase"] == "Pending"
+        assert waiting[0]["state"]["waiting"]["reason"] == "ImagePullBackOff"
     assert phase_of(kube, ns, "forever") == "Running"
 
 
@@ -236,7 +246,7 @@ def test_rbac_is_enforced_for_a_real_identity(kube: Cluster, kube_namespace: str
 
 def test_stage_annotations_in_the_module_are_the_ones_in_the_stage_file() -> None:
     stages = list(yaml.safe_load_all(STAGES_FILE.read_text()))
-    assert [s["kind"] for s in stages] == ["Stage"] * 5
+    assert [s["kind"] for s in stages] == ["Stage"] * 6
     text = STAGES_FILE.read_text()
     for annotation in (RUN_FOR, EXIT_CODE, REASON, WAITING_REASON):
         assert f'"{annotation}"' in text

@@ -15,6 +15,7 @@ COMMANDS: dict[str, str] = {
     "crd": "harnessrl.spec.commands:crd_command",
     "db": "harnessrl.store.commands:db_group",
     "learn": "harnessrl.trainer.commands:learn_command",
+    "operator": "harnessrl.operator.commands:operator_command",
     "proxy": "harnessrl.proxy.commands:proxy_command",
     "run": "harnessrl.local.commands:run_command",
     "status": "harnessrl.local.commands:status_command",

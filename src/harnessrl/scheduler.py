@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select
 
+from harnessrl.spec.models import TrainingRunSpec
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
 from harnessrl.store.schema import Rollout
 
@@ -50,6 +51,16 @@ class SchedulerSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+    @classmethod
+    def from_spec(cls, run: str, spec: TrainingRunSpec) -> SchedulerSettings:
+        """The settings of a TrainingRun's spec: the local runner and the operator read them the same way."""
+        harness, learner = spec.harness, spec.learner
+        return cls(
+            run=run, group_size=harness.group_size, concurrency=harness.concurrency,
+            timeout_s=float(harness.timeout_seconds), tasks_per_step=learner.tasks_per_step,
+            max_staleness=learner.max_staleness, max_attempts=harness.max_attempts,
+        )
 
     @property
     def max_outstanding_groups(self) -> int:
@@ -81,6 +92,10 @@ class HarnessExit:
 
 class RolloutBackend(Protocol):
     """Where a harness runs. Implementations: local processes, Kubernetes pods."""
+
+    def launch_budget(self) -> int | None:
+        """How many harnesses may start in this pass (None: as many as there are free slots). A pod backend
+        bounds its creation rate and returns 0 while the run is suspended."""
 
     def launch(self, launch: Launch) -> None:
         """Start the harness; must be idempotent for the same (rollout_id, attempt)."""
@@ -229,6 +244,9 @@ class RolloutScheduler:
     def _launch_queued(self, policy_version: int, status: SchedulerStatus) -> None:
         running = len(self.store.list_attempts(self.settings.run, states=(RolloutState.RUNNING,)))
         free = self.settings.concurrency - running
+        budget = self.backend.launch_budget()
+        if budget is not None:
+            free = min(free, budget)
         if free <= 0:
             return
         for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))[:free]:

@@ -9,7 +9,9 @@ there, unless annotations on the pod say otherwise — so a test or benchmark ch
 - ``kwok.harnessrl.io/exit-code: "2"`` — with ``run-for``: they exit with this code and the pod is Failed
   (reason ``Error``, or ``kwok.harnessrl.io/reason``); without it they exit 0 and the pod Succeeded;
 - ``kwok.harnessrl.io/waiting-reason: ImagePullBackOff`` — the pod never starts: it stays Pending with its
-  containers waiting for that reason, as the kubelet reports a bad image or a missing Secret.
+  containers waiting for that reason, as the kubelet reports a bad image or a missing Secret;
+- a first container with the image ``kwok.invalid/image-pull-backoff`` does the same with ImagePullBackOff
+  (for pods whose annotations a test does not write, e.g. pods an operator creates).
 
 A pod being deleted is removed at once (there is no kubelet to confirm it). Nodes take kwok's own
 ``node-initialize`` stage (copied from its module when it is built) and become Ready. The stages are in
@@ -26,6 +28,7 @@ RUN_FOR = "kwok.harnessrl.io/run-for"
 EXIT_CODE = "kwok.harnessrl.io/exit-code"
 REASON = "kwok.harnessrl.io/reason"
 WAITING_REASON = "kwok.harnessrl.io/waiting-reason"
+IMAGE_PULL_BACKOFF_IMAGE = "kwok.invalid/image-pull-backoff"
 NODE_LABEL = ("type", "kwok")
 
 STAGES_FILE = Path(__file__).with_name("kwok-pod-stages.yaml")

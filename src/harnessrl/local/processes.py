@@ -51,6 +51,9 @@ class ProcessBackend:
         self.kill_grace_s = kill_grace_s
         self._runs: dict[tuple[str, int], _Running] = {}
 
+    def launch_budget(self) -> None:
+        return None  # a process starts in milliseconds; concurrency alone bounds them
+
     def launch(self, launch: Launch) -> None:
         key = (launch.rollout_id, launch.attempt)
         if key in self._runs:

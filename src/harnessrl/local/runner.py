@@ -154,7 +154,7 @@ class LocalRun:
                 env=self._harness_env(), env_for=lambda launch: self._contract(proxy_url, launch),
             )
             stack.callback(backend.shutdown)
-            scheduler = RolloutScheduler(store, self._scheduler_settings(), backend, self.tasks)
+            scheduler = RolloutScheduler(store, SchedulerSettings.from_spec(self.name, self.spec), backend, self.tasks)
             stack.callback(scheduler.stop_all)
             learner = self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
@@ -303,13 +303,6 @@ class LocalRun:
         return {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "harnessrl", "HARNESSRL_MODEL_NAME": SERVED_MODEL_NAME,
                 "HARNESSRL_REWARD_URL": f"{base}/reward"}
 
-    def _scheduler_settings(self) -> SchedulerSettings:
-        harness, learner = self.spec.harness, self.spec.learner
-        return SchedulerSettings(
-            run=self.name, group_size=harness.group_size, concurrency=harness.concurrency,
-            timeout_s=float(harness.timeout_seconds), tasks_per_step=learner.tasks_per_step,
-            max_staleness=learner.max_staleness, max_attempts=harness.max_attempts,
-        )
 
     # --- the end ------------------------------------------------------------------------------------------------
 

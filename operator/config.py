@@ -1,0 +1,45 @@
+"""Operator-wide settings: what a TrainingRun does not say (images of our own components, pacing).
+
+Read from the environment the chart sets (``HARNESSRL_OPERATOR_*``); defaults fit a plain install.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+from harnessrl import __version__
+
+IMAGE_REPOSITORY = "ghcr.io/harnessrl"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    proxy_image: str = f"{IMAGE_REPOSITORY}/proxy:{__version__}"
+    """The capture-proxy sidecar (a TrainingRun's spec.proxy.image overrides it)."""
+    learner_image: str = f"{IMAGE_REPOSITORY}/learner:{__version__}"
+    """The DeepSpeed learner (CUDA, PyTorch, DeepSpeed, transformers)."""
+    pod_creates_per_second: float = 20.0
+    """Harness pods created per second per run at most, so a burst of free slots never floods the API."""
+    store_url: str = ""
+    """The trace store of runs that name none (their spec keeps the SQLite default, which only `harnessrl run`
+    can use): the chart points it at its PostgreSQL. Empty: such runs fail with InvalidSpec naming
+    spec.store."""
+    provisioning_timeout_seconds: int = 1800
+    """How long vLLM and the learner may take to become ready before the run fails (RolloutUnavailable)."""
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        values = {}
+        for item in fields(cls):
+            raw = env.get(f"HARNESSRL_OPERATOR_{item.name.upper()}")
+            if raw is not None:
+                kind = type(item.default)
+                try:
+                    values[item.name] = kind(raw)
+                except ValueError:
+                    raise ValueError(
+                        f"HARNESSRL_OPERATOR_{item.name.upper()}={raw!r} is not a {kind.__name__}"
+                    )
+        return cls(**values)

@@ -1,0 +1,416 @@
+"""One TrainingRun's reconciler: compare what the run asks for with what is observed, then act.
+
+It holds no state a restart would lose. The children are (re)applied with server-side apply whenever the
+spec's generation is new to this process or a child is missing from the watch; rollouts live in the store
+and are driven by the same ``RolloutScheduler`` as ``harnessrl run``, with the pod backend. Everything a
+reconcile observed goes into one :class:`~harnessrl.operator.status.Observed`, from which the status is built.
+
+Failures at run time (a missing Secret or ConfigMap, an unreachable store, a learner that failed beyond its
+backoff, vLLM that never became ready) end up as a phase, a typed reason and a message that names the field
+and the fix; they never raise out of the reconcile, so the operator never crash-loops on one bad run.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.metrics import OperatorMetrics
+from harnessrl.operator.naming import RUN_LABEL
+from harnessrl.operator.pods import PodApi, PodBackend, PodSummary
+from harnessrl.operator.status import Observed, epoch, now_iso
+from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.problems import InvalidSpec, parse_training_run
+from harnessrl.spec.status import Phase, Reason
+from harnessrl.store import TraceStore
+from harnessrl.store.learner_ledger import LearnerLedger
+
+log = logging.getLogger(__name__)
+
+
+CHILD_KINDS = (
+    ("apps/v1", "Deployment"),
+    ("batch/v1", "Job"),
+    ("v1", "Service"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
+    ("v1", "Pod"),
+    ("v1", "Secret"),
+)
+
+
+class RunProblem(Exception):
+    """A problem the user must fix; the message names the field and the fix. ``terminal`` problems fail the
+    run; the others (a Secret or ConfigMap not created yet, the store not reachable yet) keep it Pending and
+    are checked again on every pass, so creating the missing object is all it takes."""
+
+    def __init__(self, reason: Reason, message: str, terminal: bool = True) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.terminal = terminal
+
+
+@dataclass
+class Workloads:
+    """What the watch says of the run's vLLM Deployment and learner Job (None: not there)."""
+
+    deployment: dict[str, Any] | None
+    job: dict[str, Any] | None
+
+
+class Apis:
+    """The Kubernetes API calls the reconciler makes (sync client; kopf runs sync daemons in threads)."""
+
+    def __init__(self, api_client: Any) -> None:
+        from kubernetes import client, dynamic
+
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.dynamic = dynamic.DynamicClient(api_client)
+
+    def apply(self, obj: dict[str, Any]) -> None:
+        resource = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        resource.server_side_apply(
+            body=obj,
+            namespace=obj["metadata"]["namespace"],
+            field_manager="harnessrl-operator",
+            force_conflicts=True,
+        )
+
+    def delete_children(self, namespace: str, run: str) -> None:
+        """Every object the run owns, but the run itself (spec.ttlSecondsAfterFinished)."""
+        from kubernetes.client.exceptions import ApiException
+
+        for api_version, kind in CHILD_KINDS:
+            resource = self.dynamic.resources.get(api_version=api_version, kind=kind)
+            for item in resource.get(namespace=namespace, label_selector=f"{RUN_LABEL}={run}").items:
+                try:
+                    resource.delete(
+                        name=item.metadata.name, namespace=namespace, body={"propagationPolicy": "Background"}
+                    )
+                except ApiException as exc:
+                    if exc.status != 404:
+                        raise
+
+    def delete_pods(self, namespace: str, label_selector: str) -> None:
+        self.core.delete_collection_namespaced_pod(
+            namespace, label_selector=label_selector, grace_period_seconds=10
+        )
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            "harnessrl.io", "v1alpha1", namespace, "trainingruns", name, {"status": status}
+        )
+
+    def secret_value(self, namespace: str, name: str, key: str, field: str) -> str:
+        data = self._read(
+            lambda: self.core.read_namespaced_secret(name, namespace).data,
+            field,
+            f"Secret {name!r}",
+            namespace,
+        )
+        if not data or key not in data:
+            raise RunProblem(
+                Reason.INVALID_SPEC,
+                f"{field}: Secret {name!r} has no key {key!r} — add the key "
+                f"or point {field}.key at the key that holds it",
+                terminal=False,
+            )
+        return base64.b64decode(data[key]).decode()
+
+    def config_map_value(self, namespace: str, name: str, key: str, field: str) -> str:
+        data = self._read(
+            lambda: self.core.read_namespaced_config_map(name, namespace).data,
+            field,
+            f"ConfigMap {name!r}",
+            namespace,
+        )
+        if not data or key not in data:
+            raise RunProblem(
+                Reason.INVALID_SPEC,
+                f"{field}: ConfigMap {name!r} has no key {key!r} — add it or set {field}.key",
+                terminal=False,
+            )
+        return data[key]
+
+    @staticmethod
+    def _read(read: Callable[[], Any], field: str, what: str, namespace: str) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return read()
+        except ApiException as exc:
+            if exc.status == 404:
+                raise RunProblem(
+                    Reason.INVALID_SPEC,
+                    f"{field}: {what} not found in namespace {namespace} — create it or fix the name",
+                    terminal=False,
+                ) from None
+            raise
+
+
+Renderers = tuple[Callable[..., list[dict[str, Any]]], Callable[..., dict[str, Any]]]
+
+
+class RunController:
+    """Reconciles one TrainingRun; created by the run's daemon, rebuilt from scratch after a restart."""
+
+    def __init__(
+        self,
+        namespace: str,
+        name: str,
+        uid: str,
+        apis: Apis,
+        config: OperatorConfig,
+        pods: Callable[[], Iterable[PodSummary]],
+        workloads: Callable[[], Workloads],
+        renderers: Renderers,
+        clock: Callable[[], float] = time.time,
+        metrics: OperatorMetrics | None = None,
+    ) -> None:
+        self.namespace, self.name, self.uid = namespace, name, uid
+        self.apis = apis
+        self.config = config
+        self.workloads = workloads
+        self.render_children, self.render_pod = renderers
+        self.clock = clock
+        self.backend = PodBackend(
+            namespace,
+            self._render_pod,
+            PodApi(apis.core),
+            pods,
+            pods_per_second=config.pod_creates_per_second,
+            metrics=metrics,
+            run=name,
+        )
+        self.run: TrainingRun | None = None
+        self.store: TraceStore | None = None
+        self.scheduler: RolloutScheduler | None = None
+        self.applied_generation: int | None = None
+
+    # --- one pass -------------------------------------------------------------------------------------------
+
+    def reconcile(self, body: dict[str, Any]) -> Observed:
+        meta, status = body.get("metadata") or {}, body.get("status") or {}
+        generation = int(meta.get("generation") or 0)
+        observed = Observed(generation, Phase.PENDING, Reason.CREATED)
+        if status.get("phase") in (Phase.SUCCEEDED.value, Phase.FAILED.value):
+            return self._finished(body, observed)
+        try:
+            self.run = parse_training_run({k: v for k, v in body.items() if k != "status"})
+        except InvalidSpec as invalid:
+            return self._fail(observed, Reason.INVALID_SPEC, "; ".join(str(p) for p in invalid.problems))
+        try:
+            self._connect_store(observed)
+            self._apply_children(generation)
+            self._observe_workloads(observed)
+            self._progress(observed, status)
+        except RunProblem as problem:
+            if problem.terminal:
+                return self._fail(observed, problem.reason, str(problem))
+            if self.store is None:
+                observed.store_ready, observed.store_message = False, str(problem)
+            observed.phase, observed.reason, observed.message = Phase.PENDING, problem.reason, str(problem)
+        return observed
+
+    def stop(self, reason: str) -> None:
+        """Stop scheduling: cancel active attempts and delete their pods (finalizer, suspend, end)."""
+        if self.scheduler is not None:
+            self.scheduler.stop_all(reason)
+
+    # --- steps ----------------------------------------------------------------------------------------------
+
+    def _connect_store(self, observed: Observed) -> None:
+        if self.store is None:
+            url = self._store_url()
+            try:
+                store = TraceStore.connect(url)
+                store.upgrade()
+                store.ensure_run(
+                    self.name, self.run.model_dump(mode="json", by_alias=True, exclude_none=True)
+                )
+            except Exception as exc:  # noqa: BLE001 - any failure to reach the store is reported, not raised
+                raise RunProblem(
+                    Reason.STORE_UNAVAILABLE,
+                    f"spec.store: cannot use the trace store "
+                    f"({exc.__class__.__name__}: {str(exc).splitlines()[0][:300]}) — check the URL, "
+                    "the credentials and that the database accepts connections",
+                    terminal=False,
+                ) from None
+            self.store = store
+            self.scheduler = RolloutScheduler(
+                store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks()
+            )
+        observed.store_ready, observed.store_message = True, "the trace store answers"
+
+    def _store_url(self) -> str:
+        postgres = self.run.spec.store.postgres
+        if postgres is None:
+            if self.config.store_url:
+                return self.config.store_url
+            raise RunProblem(
+                Reason.INVALID_SPEC,
+                "spec.store: the SQLite store only works with `harnessrl run` "
+                "— set spec.store.postgres.secretRef, or install the chart's PostgreSQL "
+                "(the operator's default store)",
+            )
+        if postgres.url:
+            return postgres.url
+        ref = postgres.secret_ref
+        return self.apis.secret_value(self.namespace, ref.name, ref.key, "spec.store.postgres.secretRef")
+
+    def _tasks(self) -> list[dict[str, Any]]:
+        source = self.run.spec.harness.tasks
+        if source.inline is not None:
+            return [task.model_dump(mode="json", by_alias=True, exclude_none=True) for task in source.inline]
+        if source.config_map is not None:
+            ref = source.config_map
+            text = self.apis.config_map_value(
+                self.namespace, ref.name, ref.key, "spec.harness.tasks.configMap"
+            )
+            tasks = []
+            for number, line in enumerate(text.splitlines(), 1):
+                if line.strip():
+                    try:
+                        task = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise RunProblem(
+                            Reason.INVALID_SPEC,
+                            f"spec.harness.tasks.configMap: line {number} of "
+                            f"{ref.name}/{ref.key} is not JSON ({exc.msg}) — one task object "
+                            "per line",
+                        ) from None
+                    tasks.append(task)
+            if not tasks:
+                raise RunProblem(
+                    Reason.INVALID_SPEC,
+                    f"spec.harness.tasks.configMap: {ref.name}/{ref.key} has "
+                    "no tasks — add one JSON object per line",
+                )
+            return tasks
+        raise RunProblem(
+            Reason.INVALID_SPEC,
+            "spec.harness.tasks.file: the operator cannot read files on a "
+            "volume — put the tasks in a ConfigMap (tasks.configMap) or inline",
+        )
+
+    def _apply_children(self, generation: int) -> None:
+        loads = self.workloads()
+        wants_rollout = self.run.spec.rollout.upstreams is None
+        missing = loads.job is None or (wants_rollout and loads.deployment is None)
+        if generation == self.applied_generation and not missing:
+            return
+        try:
+            children = self.render_children(self.run, self.namespace, self.uid, self.config)
+        except ValueError as error:  # the renderers name the field and the fix
+            raise RunProblem(Reason.INVALID_SPEC, str(error)) from None
+        for child in children:
+            self.apis.apply(child)
+        self.applied_generation = generation
+
+    def _observe_workloads(self, observed: Observed) -> None:
+        loads = self.workloads()
+        spec = self.run.spec
+        if spec.rollout.upstreams is not None:
+            observed.rollout_ready, observed.rollout_message = (
+                True,
+                "external upstreams (spec.rollout.upstreams)",
+            )
+        elif loads.deployment is not None:
+            available = int((loads.deployment.get("status") or {}).get("availableReplicas") or 0)
+            observed.rollout_ready = available > 0
+            observed.rollout_message = f"{available}/{spec.rollout.replicas} vLLM replicas serve the model"
+        else:
+            observed.rollout_ready, observed.rollout_message = False, "the vLLM Deployment is being created"
+        job_status = (loads.job or {}).get("status") or {}
+        conditions = {
+            c.get("type"): c for c in job_status.get("conditions") or [] if c.get("status") == "True"
+        }
+        if "Failed" in conditions:
+            failed = conditions["Failed"]
+            raise RunProblem(
+                Reason.LEARNER_CRASHED,
+                f"the learner Job failed beyond its backoff "
+                f"({failed.get('reason')}: {failed.get('message')}) — see `kubectl logs "
+                f"job/{self.name}-learner`",
+            )
+        active = int(job_status.get("active") or 0) + int(job_status.get("ready") or 0)
+        observed.learner_ready = loads.job is not None and active > 0
+        observed.learner_message = (
+            f"{active} learner pod(s) running" if loads.job else "the learner Job is being created"
+        )
+
+    def _progress(self, observed: Observed, status: dict[str, Any]) -> None:
+        spec = self.run.spec
+        ledger = LearnerLedger(self.store, self.name)
+        version = ledger.committed_version()
+        observed.policy_version = self.store.latest_policy_version(self.name, synced_only=True) or 0
+        observed.step = version
+        metrics = ledger.step_metrics(version) if version else None
+        if metrics and isinstance(metrics.get("reward_mean"), (int, float)):
+            observed.reward_mean = float(metrics["reward_mean"])
+        created = epoch(status.get("startTime")) or self.clock()
+        observed.start_time = status.get("startTime") or now_iso()
+        if version >= spec.learner.steps:
+            self.stop("Cancelled: the run completed")
+            observed.counts = self.store.count_attempts(self.name)
+            observed.phase, observed.reason = Phase.SUCCEEDED, Reason.COMPLETED
+            observed.message = f"trained {version} steps"
+            observed.completion_time = now_iso()
+            return
+        deadline = spec.active_deadline_seconds
+        if deadline is not None and self.clock() - created > deadline:
+            self.stop("Cancelled: spec.activeDeadlineSeconds passed")
+            raise RunProblem(
+                Reason.DEADLINE_EXCEEDED,
+                f"the run ran longer than spec.activeDeadlineSeconds="
+                f"{deadline} — raise it (or remove it) and create the run again",
+            )
+        # No new harness pods while suspended or while no replica serves (they would only wait or fail);
+        # pods already running are still settled by the reconcile.
+        self.backend.suspended = spec.suspend or not observed.rollout_ready
+        if not observed.rollout_ready:
+            waited = self.clock() - created
+            if waited > self.config.provisioning_timeout_seconds:
+                raise RunProblem(
+                    Reason.ROLLOUT_UNAVAILABLE,
+                    f"no vLLM replica served the model within "
+                    f"{self.config.provisioning_timeout_seconds} s ({observed.rollout_message}) — "
+                    f"check `kubectl describe deployment {self.name}-rollout` (image, GPUs, model "
+                    "path)",
+                )
+            observed.phase, observed.reason = Phase.PROVISIONING, Reason.PROVISIONING
+            observed.message = observed.rollout_message
+            self.scheduler.reconcile(observed.policy_version)
+        else:
+            self.scheduler.reconcile(observed.policy_version)
+            if spec.suspend:
+                observed.phase, observed.reason = Phase.SUSPENDED, Reason.SUSPENDED
+                observed.message = "spec.suspend is true: no new rollouts start; running ones finish"
+            else:
+                observed.phase, observed.reason = Phase.RUNNING, Reason.RUNNING
+                observed.message = f"step {version} of {spec.learner.steps}"
+        observed.counts = self.store.count_attempts(self.name)
+
+    def _finished(self, body: dict[str, Any], observed: Observed) -> Observed:
+        status = body.get("status") or {}
+        observed.phase, observed.reason = Phase(status["phase"]), Reason(status.get("reason") or "Completed")
+        observed.message = status.get("message") or ""
+        return observed
+
+    def _fail(self, observed: Observed, reason: Reason, message: str) -> Observed:
+        self.stop(f"Cancelled: the run failed ({reason.value})")
+        observed.phase, observed.reason, observed.message = Phase.FAILED, reason, message
+        observed.completion_time = now_iso()
+        if self.store is not None:
+            observed.counts = self.store.count_attempts(self.name)
+        return observed
+
+    def _render_pod(self, launch: Launch) -> dict[str, Any]:
+        return self.render_pod(self.run, self.namespace, self.uid, self.config, launch)

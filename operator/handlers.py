@@ -1,0 +1,223 @@
+"""The kopf handlers: one WATCH per kind feeds in-memory indexes, one daemon per TrainingRun reconciles it.
+
+- ``harness_pods``, ``rollout_deployments``, ``learner_jobs`` are kopf indexes: kopf keeps them current
+  from its watch streams and starts no other handler before they hold every existing object, so a restarted
+  operator sees every pod it created before it decides anything (no LIST per reconcile, no false "lost"
+  rollouts).
+- ``harness_pod_deleted`` tells the run's pod backend that a pod disappeared (the index forgets it).
+- ``run_daemon`` reconciles one run every ``RECONCILE_INTERVAL_S`` (level-based: each pass starts from the
+  object, the indexes and the store), writes the status only when it changed, and posts an Event on every
+  phase change. It returns when the run has finished; a restart reconciles finished runs once more.
+- ``run_deleted`` is the finalizer: it stops the scheduler (active attempts are cancelled in the store, their
+  pods deleted) and leaves the stored traces; the garbage collector removes the owned children.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+import kopf
+
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.controller import Apis, RunController, Workloads
+from harnessrl.operator.metrics import METRICS
+from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, LEARNER, ROLLOUT, RUN_LABEL
+from harnessrl.operator.pods import summarize_pod
+from harnessrl.operator.status import Observed, build_status, epoch, same_status
+from harnessrl.spec.models import GROUP, VERSION
+from harnessrl.spec.status import Phase, Reason
+from harnessrl.store import RolloutState
+
+log = logging.getLogger(__name__)
+
+RECONCILE_INTERVAL_S = 1.0
+PLURAL = "trainingruns"
+
+_controllers: dict[tuple[str, str], RunController] = {}
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        # Named explicitly: the client reads $KUBECONFIG once, when it is first imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    _state["apis"] = Apis(client.ApiClient())
+    _state["config"] = OperatorConfig.from_env()
+    settings.persistence.finalizer = "harnessrl.io/finalizer"
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 300
+
+
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In a pod, its service account; elsewhere $KUBECONFIG as it is now (kopf's client-library login reads
+    the variable only once, when the client is imported)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def _run_of(labels: dict[str, str]) -> str:
+    return labels.get(RUN_LABEL, "")
+
+
+@kopf.index("pods", labels={COMPONENT_LABEL: HARNESS, RUN_LABEL: kopf.PRESENT})
+def harness_pods(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
+    summary = summarize_pod(dict(body))
+    return {(namespace, _run_of(labels)): summary} if summary is not None else None
+
+
+@kopf.index("deployments", labels={COMPONENT_LABEL: ROLLOUT, RUN_LABEL: kopf.PRESENT})
+def rollout_deployments(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
+    return {(namespace, _run_of(labels)): {"status": dict(body.get("status") or {})}}
+
+
+@kopf.index("jobs", labels={COMPONENT_LABEL: LEARNER, RUN_LABEL: kopf.PRESENT})
+def learner_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
+    return {(namespace, _run_of(labels)): {"status": dict(body.get("status") or {})}}
+
+
+@kopf.on.event("pods", labels={COMPONENT_LABEL: HARNESS, RUN_LABEL: kopf.PRESENT})
+def harness_pod_deleted(type: str, body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
+    if type != "DELETED":
+        return
+    controller = _controllers.get((namespace, _run_of(labels)))
+    summary = summarize_pod(dict(body))
+    if controller is not None and summary is not None:
+        controller.backend.pod_deleted(summary)
+
+
+def _first(index: kopf.Index, key: tuple[str, str]) -> Any:
+    for value in index.get(key, []):
+        return value
+    return None
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, initial_delay=0, cancellation_timeout=30)
+def run_daemon(
+    stopped: kopf.DaemonStopped,
+    name: str,
+    namespace: str,
+    uid: str,
+    body: kopf.Body,
+    harness_pods: kopf.Index,
+    rollout_deployments: kopf.Index,
+    learner_jobs: kopf.Index,
+    **_: Any,
+) -> None:
+    from harnessrl.operator.render import render_harness_pod, render_run_children
+
+    key = (namespace, name)
+    controller = RunController(
+        namespace,
+        name,
+        uid,
+        _state["apis"],
+        _state["config"],
+        pods=lambda: list(harness_pods.get(key, [])),
+        workloads=lambda: Workloads(_first(rollout_deployments, key), _first(learner_jobs, key)),
+        renderers=(render_run_children, render_harness_pod),
+        metrics=METRICS,
+    )
+    with _lock:
+        _controllers[key] = controller
+    before = body.get("status") or {}
+    last = (before.get("phase"), before.get("reason"))
+    try:
+        while not stopped:
+            current = dict(body)  # kopf keeps a daemon's body current with the watch
+            try:
+                observed = controller.reconcile(current)
+            except Exception:  # noqa: BLE001 - a bug in one pass must not stop the run's reconciler
+                log.exception("reconciling %s/%s failed; retrying", namespace, name)
+                METRICS.errors.labels(*key).inc()
+                METRICS.reconciles.labels(*key, "error").inc()
+                stopped.wait(5 * RECONCILE_INTERVAL_S)
+                continue
+            _record(key, observed)
+            status = build_status(observed, current.get("status"))
+            if not same_status(current.get("status"), status):
+                _state["apis"].patch_status(namespace, name, status)
+            if (status["phase"], status["reason"]) != last:
+                _post_phase_event(current, status)
+                last = (status["phase"], status["reason"])
+            if status["phase"] in (Phase.SUCCEEDED.value, Phase.FAILED.value):
+                _clean_up_after_ttl(controller, status, stopped)
+                return
+            stopped.wait(RECONCILE_INTERVAL_S)
+    finally:
+        with _lock:
+            _controllers.pop(key, None)
+        METRICS.forget(*key)
+        if (body.get("metadata") or {}).get("deletionTimestamp"):
+            # Stopped because the run is being deleted: cancel its active attempts in the store (the traces
+            # stay) before the finalizer lets the object go.
+            controller.stop("Cancelled: the TrainingRun was deleted")
+
+
+def _clean_up_after_ttl(
+    controller: RunController, status: dict[str, Any], stopped: kopf.DaemonStopped
+) -> None:
+    """spec.ttlSecondsAfterFinished: the run's pods, Services, Deployment and Job go that long after it ended;
+    the TrainingRun (with its status) and the stored traces stay."""
+    ttl = controller.run.spec.ttl_seconds_after_finished if controller.run is not None else None
+    if ttl is None:
+        return
+    finished = epoch(status.get("completionTime")) or time.time()
+    if stopped.wait(max(0.0, finished + ttl - time.time())):
+        return  # the operator is stopping or the run is being deleted
+    controller.apis.delete_children(controller.namespace, controller.name)
+    kopf.info(
+        {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "TrainingRun",
+            "metadata": {"name": controller.name, "namespace": controller.namespace, "uid": controller.uid},
+        },
+        reason="CleanedUp",
+        message=f"deleted the run's pods and services {ttl} s after it finished",
+    )
+
+
+def _record(key: tuple[str, str], observed: Observed) -> None:
+    METRICS.reconciles.labels(*key, "problem" if observed.reason in _PROBLEMS else "ok").inc()
+    for state in RolloutState:
+        METRICS.rollouts.labels(*key, state.value).set(observed.counts.get(state, 0))
+    METRICS.queue_depth.labels(*key).set(observed.counts.get(RolloutState.QUEUED, 0))
+    for phase in Phase:
+        METRICS.phase.labels(*key, phase.value).set(1 if phase is observed.phase else 0)
+
+
+_PROBLEMS = {
+    Reason.INVALID_SPEC,
+    Reason.STORE_UNAVAILABLE,
+    Reason.IMAGE_PULL_FAILED,
+    Reason.UNSCHEDULABLE,
+    Reason.LEARNER_CRASHED,
+    Reason.ROLLOUT_UNAVAILABLE,
+    Reason.WEIGHT_SYNC_FAILED,
+    Reason.DEADLINE_EXCEEDED,
+}
+
+
+def _post_phase_event(body: dict[str, Any], status: dict[str, Any]) -> None:
+    """One Event per change of phase or reason: a Warning for every problem, Normal otherwise."""
+    message = f"{status['phase']}: {status.get('message') or status['reason']}"[:1024]
+    if status["phase"] == Phase.FAILED.value or Reason(status["reason"]) in _PROBLEMS:
+        kopf.warn(body, reason=status["reason"], message=message)
+    else:
+        kopf.info(body, reason=status["reason"], message=message)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL)
+def run_deleted(name: str, namespace: str, **_: Any) -> None:
+    """Harness pods go at once (their attempts were cancelled by the daemon on its way out); the other
+    children follow their owner through the garbage collector."""
+    _state["apis"].delete_pods(namespace, f"{RUN_LABEL}={name},{COMPONENT_LABEL}={HARNESS}")

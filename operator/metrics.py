@@ -1,0 +1,70 @@
+"""Prometheus metrics of the operator (``harnessrl_operator_*``), in a registry of its own so tests can run
+several operators in one process; ``harnessrl operator`` serves it on ``--metrics-port``.
+
+Per-run series are labelled ``namespace`` and ``run`` and removed when the run's reconciler stops, so the
+number of series follows the live runs, not every run there ever was.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "harnessrl_operator_"
+# A pod starts in about a second on an idle cluster and in minutes when images are pulled or nodes scale up.
+START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class OperatorMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        run = ("namespace", "run")
+        r = self.registry
+        self.reconciles = Counter(
+            PREFIX + "reconciles",
+            "Reconcile passes, by result (ok, problem, error).",
+            [*run, "result"],
+            registry=r,
+        )
+        self.errors = Counter(
+            PREFIX + "reconcile_errors",
+            "Reconcile passes that raised (a bug or an API outage).",
+            run,
+            registry=r,
+        )
+        self.pods_created = Counter(PREFIX + "pods_created", "Harness pods created.", run, registry=r)
+        self.pods_deleted = Counter(PREFIX + "pods_deleted", "Harness pods deleted.", run, registry=r)
+        self.pod_create_failures = Counter(
+            PREFIX + "pod_create_failures", "Harness pods the API refused.", run, registry=r
+        )
+        self.rollouts = Gauge(PREFIX + "rollouts", "Rollout attempts by state.", [*run, "state"], registry=r)
+        self.queue_depth = Gauge(PREFIX + "queue_depth", "Attempts queued for a free slot.", run, registry=r)
+        self.phase = Gauge(
+            PREFIX + "run_phase", "1 for the run's current phase.", [*run, "phase"], registry=r
+        )
+        self.pod_start = Histogram(
+            PREFIX + "pod_start_seconds",
+            "From a harness pod's creation to its harness container running.",
+            run,
+            buckets=START_BUCKETS,
+            registry=r,
+        )
+
+    def forget(self, namespace: str, run: str) -> None:
+        """Drop a run's labelled series (its reconciler stopped)."""
+        for metric in (
+            self.reconciles,
+            self.errors,
+            self.pods_created,
+            self.pods_deleted,
+            self.pod_create_failures,
+            self.rollouts,
+            self.queue_depth,
+            self.phase,
+            self.pod_start,
+        ):
+            for labels in list(metric._metrics):  # noqa: SLF001 - prometheus_client has no public lookup
+                if labels[:2] == (namespace, run):
+                    metric.remove(*labels)
+
+
+METRICS = OperatorMetrics()

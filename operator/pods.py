@@ -1,0 +1,274 @@
+"""Harness runs as pods: the operator's ``RolloutBackend``.
+
+The same ``RolloutScheduler`` that ``harnessrl run`` drives with processes drives this backend with pods. What
+the backend knows of its pods comes from the operator's watch (a kopf index, fed by one WATCH per operator),
+never from a LIST per reconcile: ``PodBackend`` is given a callable that returns the run's current pods as
+:class:`PodSummary` values, plus the pods the watch saw disappear (tombstones).
+
+- launch = create the pod (its name is the attempt's, so a repeated create is a 409, not a second pod);
+- alive = pods not yet in a terminal state;
+- exits = terminal pods, pods that can never start (bad image, missing Secret: failed fast with the kubelet's
+  reason) and pods deleted before they ended (by hand, by eviction or node loss): each mapped to a
+  ``HarnessExit`` with the exit code and reason the kubelet reported;
+- stop = delete the pod; release = delete it if it is still there, and forget it.
+
+At most ``budget`` pods are created per pass (a token bucket refilled at ``pods_per_second``), so a burst of
+free slots never floods the API server; the scheduler launches no more than ``launch_budget()`` allows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from harnessrl.operator.metrics import OperatorMetrics
+from harnessrl.operator.naming import ATTEMPT_ANNOTATION, ROLLOUT_ANNOTATION
+from harnessrl.operator.status import epoch
+from harnessrl.scheduler import HarnessExit, Launch
+
+log = logging.getLogger(__name__)
+
+# Waiting reasons a pod never recovers from without a change to the spec: the attempt fails fast with the
+# reason instead of holding a slot until its timeout. (ErrImagePull alone can be transient: the kubelet
+# reports it on the first failed pull, then ImagePullBackOff.)
+FATAL_WAITING = frozenset(
+    {
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "ErrImageNeverPull",
+        "RunContainerError",
+    }
+)
+HARNESS_CONTAINER = "harness"
+
+
+@dataclass(frozen=True)
+class PodSummary:
+    """What the backend needs of a harness pod, small enough to keep one per live pod in the index."""
+
+    name: str
+    rollout_id: str
+    attempt: int
+    phase: str  # Pending, Running, Succeeded, Failed, Unknown
+    deleting: bool = False
+    exit_code: int | None = None  # the harness container's, once it terminated
+    reason: str | None = None  # why it ended or cannot start (kubelet reason and message)
+    fatal: bool = False  # can never start (FATAL_WAITING)
+    started_at: float | None = None  # when the harness container started (epoch seconds)
+    created_at: float | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.rollout_id, self.attempt
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ("Succeeded", "Failed") or self.fatal
+
+
+def summarize_pod(body: dict[str, Any]) -> PodSummary | None:
+    """A harness pod's summary from its object (kopf's body or a client dict); None for foreign pods."""
+    meta = body.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    try:
+        rollout_id, attempt = annotations[ROLLOUT_ANNOTATION], int(annotations[ATTEMPT_ANNOTATION])
+    except (KeyError, ValueError):
+        return None
+    status = body.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    exit_code, reason, fatal, started = None, None, False, None
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") != HARNESS_CONTAINER:
+            continue
+        state = container.get("state") or {}
+        if "terminated" in state:
+            terminated = state["terminated"]
+            exit_code = terminated.get("exitCode")
+            reason = _join(terminated.get("reason"), terminated.get("message"))
+        elif "waiting" in state and (state["waiting"] or {}).get("reason") in FATAL_WAITING:
+            waiting = state["waiting"]
+            fatal, reason = True, _join(waiting.get("reason"), waiting.get("message"))
+        elif "running" in state:
+            started = epoch(state["running"].get("startedAt"))
+    if phase == "Failed" and exit_code is None:
+        # The pod failed without the harness exiting on its own: evicted, past activeDeadlineSeconds, ...
+        reason = _join(status.get("reason"), status.get("message")) or reason or "the pod failed"
+    return PodSummary(
+        name=meta.get("name", ""),
+        rollout_id=rollout_id,
+        attempt=attempt,
+        phase=phase,
+        deleting=bool(meta.get("deletionTimestamp")),
+        exit_code=exit_code,
+        reason=reason,
+        fatal=fatal,
+        started_at=started,
+        created_at=epoch(meta.get("creationTimestamp")),
+    )
+
+
+def _join(reason: str | None, message: str | None) -> str | None:
+    if reason and message:
+        return f"{reason}: {message}"
+    return reason or message
+
+
+class PodApi:
+    """The two API calls the backend makes; a small seam so the unit tests can count and fail them."""
+
+    def __init__(self, core_v1: Any) -> None:
+        self.core = core_v1
+
+    def create(self, namespace: str, pod: dict[str, Any]) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.create_namespaced_pod(namespace, pod)
+        except ApiException as exc:
+            if exc.status != 409:  # 409: this attempt's pod exists already, which is what we wanted
+                raise
+
+    def delete(self, namespace: str, name: str, grace_seconds: int) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.core.delete_namespaced_pod(name, namespace, grace_period_seconds=grace_seconds)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
+
+class PodBackend:
+    """One run's harness pods. ``pods()`` is the watch's current view; ``gone`` its tombstones."""
+
+    def __init__(
+        self,
+        namespace: str,
+        render: Callable[[Launch], dict[str, Any]],
+        api: PodApi,
+        pods: Callable[[], Iterable[PodSummary]],
+        *,
+        pods_per_second: float = 20.0,
+        stop_grace_seconds: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: OperatorMetrics | None = None,
+        run: str = "",
+    ) -> None:
+        self.namespace = namespace
+        self.render = render
+        self.api = api
+        self.pods = pods
+        self.stop_grace_seconds = stop_grace_seconds
+        self.clock = clock
+        self.rate = pods_per_second
+        self._tokens = pods_per_second
+        self._refilled = clock()
+        self.suspended = False  # no new pods (spec.suspend, or no vLLM replica serving yet)
+        # Attempts whose pod the watch saw deleted before it ended, until the scheduler releases them.
+        self.gone: dict[tuple[str, int], str] = {}
+        # Ended attempts released while their pod's deletion has not reached the watch yet.
+        self._released: set[tuple[str, int]] = set()
+        # Pods the API refused to create: reported as exits so the attempt fails with the reason.
+        self._refused: dict[tuple[str, int], str] = {}
+        self.metrics = metrics
+        self.labels = (namespace, run)
+        self._start_recorded: set[tuple[str, int]] = set()
+
+    # --- what the scheduler calls ---------------------------------------------------------------------------
+
+    def launch_budget(self) -> int:
+        """Pods this pass may create: 0 while suspended, else the token bucket's whole tokens."""
+        if self.suspended:
+            return 0
+        now = self.clock()
+        self._tokens = min(self.rate, self._tokens + (now - self._refilled) * self.rate)
+        self._refilled = now
+        return int(self._tokens)
+
+    def launch(self, launch: Launch) -> None:
+        self._tokens -= 1
+        try:
+            pod = self.render(launch)
+            self.api.create(self.namespace, pod)
+            if self.metrics:
+                self.metrics.pods_created.labels(*self.labels).inc()
+        except Exception as exc:  # noqa: BLE001 - any refusal fails this attempt with the reason, not the run
+            if self.metrics:
+                self.metrics.pod_create_failures.labels(*self.labels).inc()
+            reason = getattr(exc, "reason", None) or exc.__class__.__name__
+            body = getattr(exc, "body", None)
+            self._refused[(launch.rollout_id, launch.attempt)] = f"PodRejected: {reason}: {body or exc}"[
+                :1000
+            ]
+            log.warning(
+                "creating the pod of %s attempt %d failed: %s", launch.rollout_id, launch.attempt, exc
+            )
+
+    def alive(self) -> set[tuple[str, int]]:
+        live = set()
+        for pod in self.pods():
+            if not pod.ended and not pod.deleting:
+                live.add(pod.key)
+                if pod.started_at and pod.created_at and pod.key not in self._start_recorded:
+                    self._start_recorded.add(pod.key)
+                    if self.metrics:
+                        self.metrics.pod_start.labels(*self.labels).observe(
+                            max(0.0, pod.started_at - pod.created_at)
+                        )
+        return live
+
+    def exits(self) -> list[HarnessExit]:
+        ended: dict[tuple[str, int], HarnessExit] = {}
+        for key, why in self.gone.items():
+            ended[key] = HarnessExit(*key, None, why)
+        for key, why in self._refused.items():
+            ended[key] = HarnessExit(*key, None, why)
+        for pod in self.pods():
+            if pod.key in self._released:
+                continue
+            if pod.phase == "Succeeded":
+                ended[pod.key] = HarnessExit(
+                    *pod.key, pod.exit_code if pod.exit_code is not None else 0, None
+                )
+            elif pod.phase == "Failed" or pod.fatal:
+                detail = pod.reason if pod.exit_code is None or pod.exit_code != 0 else None
+                ended[pod.key] = HarnessExit(*pod.key, pod.exit_code if not pod.fatal else None, detail)
+        return [ended[key] for key in sorted(ended)]
+
+    def stop(self, rollout_id: str, attempt: int, reason: str) -> None:
+        for pod in self.pods():
+            if pod.key == (rollout_id, attempt) and not pod.deleting:
+                log.info("stopping %s: %s", pod.name, reason)
+                self._delete(pod.name, self.stop_grace_seconds)
+
+    def release(self, rollout_id: str, attempt: int) -> None:
+        key = (rollout_id, attempt)
+        self.gone.pop(key, None)
+        self._refused.pop(key, None)
+        self._start_recorded.discard(key)
+        for pod in self.pods():
+            if pod.key == key:
+                self._released.add(key)
+                if not pod.deleting:
+                    self._delete(pod.name, 0)
+
+    def _delete(self, name: str, grace_seconds: int) -> None:
+        self.api.delete(self.namespace, name, grace_seconds)
+        if self.metrics:
+            self.metrics.pods_deleted.labels(*self.labels).inc()
+
+    # --- what the watch calls -------------------------------------------------------------------------------
+
+    def pod_deleted(self, summary: PodSummary) -> None:
+        """The watch saw the pod disappear. If it had not ended, its attempt ended with it."""
+        self._start_recorded.discard(summary.key)
+        if summary.key in self._released:
+            self._released.discard(summary.key)
+            return
+        if not summary.ended:
+            self.gone[summary.key] = "PodDeleted: the pod was deleted before the harness ended"

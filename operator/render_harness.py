@@ -1,0 +1,244 @@
+"""One harness pod per rollout attempt: the harness container, with the capture proxy as a native sidecar.
+
+The harness gets exactly the contract of ``harnessrl run`` (``LocalRun._contract`` and ``ProcessBackend``):
+``OPENAI_BASE_URL`` of its proxy, the reward endpoint under it, the served model name, its task and its
+attribution. The proxy (``harnessrl proxy`` configured entirely by ``HARNESSRL_*`` variables, sidecar mode
+because ``HARNESSRL_ROLLOUT_ID`` is set) is started as ``LocalRun._start_proxy`` starts it: the run's sampling
+forced on every call, the policy version the attempt was launched under, its pause behaviour.
+
+The task reaches the pod through the pod's own annotation, as a file (downwardAPI volume) and as an env var
+(fieldRef): one create request per attempt, no ConfigMap per rollout to create and clean up. Annotations are
+limited to 256 KiB in all, so a task's JSON must stay below that (large inputs belong in the image or on a
+volume, named by the task).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from harnessrl.operator import naming
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.render_common import (
+    SERVED_MODEL_NAME,
+    container_resources,
+    env,
+    env_from_field,
+    merge_env,
+    restricted_security,
+    spec_env,
+    upstream_roots,
+)
+from harnessrl.operator.render_secret import store_url_env
+from harnessrl.scheduler import Launch
+from harnessrl.spec.models import TrainingRun
+
+HARNESS_CONTAINER = "harness"
+PROXY_CONTAINER = "proxy"
+TASK_DIR = "/etc/harnessrl"
+TASK_FILE = f"{TASK_DIR}/task.json"
+SPOOL_DIR = "/var/spool/harnessrl"
+SANDBOX_UID = 65532
+"""The unprivileged user harness pods run as (the "nonroot" user of distroless images)."""
+ANNOTATIONS_LIMIT = 256 * 1024
+"""The API server's limit on the total size of an object's annotations (keys and values)."""
+TERMINATION_GRACE_SECONDS = 60
+"""Time for the proxy, on SIGTERM, to finish in-flight calls (its 30 s shutdown timeout) and write its queue
+to the store or its spool."""
+PROXY_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+"""What the proxy needs at rest (about 1 ms of CPU per call); the spec has no field for it yet. No limits:
+a request body may be up to spec.proxy.maxRequestBodyBytes, and an OOM kill would lose captured calls."""
+
+
+def task_json(launch: Launch) -> str:
+    return json.dumps(launch.task, separators=(",", ":"), ensure_ascii=False)
+
+
+def harness_image(run: TrainingRun, launch: Launch) -> str:
+    """The task's own image when it names one, else ``spec.harness.image``."""
+    image = launch.task.get("image") or run.spec.harness.image
+    if not image:
+        raise ValueError(
+            f"spec.harness.image: harness pods need an image, and neither the spec nor task "
+            f"{launch.task_id!r} names one — set spec.harness.image (or an image on every task); only "
+            "`harnessrl run` starts harnesses without one"
+        )
+    return image
+
+
+def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[dict[str, Any]]:
+    """The sidecar's settings (``proxy/config.py``). ``HARNESSRL_PROXY_HOST`` is loopback: the harness in
+    the same network namespace is the proxy's only client, and nothing else may attribute calls or rewards
+    to this attempt or reach the admin API."""
+    spec = run.spec
+    rollout, proxy = spec.rollout, spec.proxy
+    sampling: dict[str, Any] = {"temperature": rollout.temperature, "top_p": rollout.top_p}
+    if rollout.max_tokens is not None:
+        sampling["max_tokens"] = rollout.max_tokens
+    return [
+        env("HARNESSRL_UPSTREAMS", ",".join(upstream_roots(run))),
+        store_url_env(run, config),
+        env("HARNESSRL_RUN", run.metadata.name),
+        env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
+        env("HARNESSRL_ATTEMPT", str(launch.attempt)),
+        env("HARNESSRL_PROXY_HOST", "127.0.0.1"),
+        env("HARNESSRL_PROXY_PORT", str(proxy.port)),
+        env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
+        env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
+        env("HARNESSRL_SAMPLING", json.dumps(sampling)),
+        env("HARNESSRL_QUEUE_SIZE", str(proxy.queue_size)),
+        env("HARNESSRL_MAX_BODY_BYTES", str(proxy.max_request_body_bytes)),
+        env("HARNESSRL_PAUSE_MODE", proxy.pause.mode),
+        env("HARNESSRL_PAUSE_RETRY_AFTER_S", str(proxy.pause.retry_after_seconds)),
+        env("HARNESSRL_SPOOL_PATH", f"{SPOOL_DIR}/proxy.spool"),
+    ]
+
+
+def proxy_container(run: TrainingRun, config: OperatorConfig, launch: Launch) -> dict[str, Any]:
+    """The proxy as a native sidecar: an init container with ``restartPolicy: Always`` starts before the
+    harness, is restarted if it dies, and is stopped once the harness has exited.
+
+    The harness starts only after the startup probe passes. The probe runs inside the container (exec, not
+    httpGet): the kubelet's HTTP probes connect to the pod's IP, where a loopback-only proxy does not listen.
+    ``spec.proxy.spoolDir`` names a directory for ``harnessrl run``; here the spool is an emptyDir, the only
+    path the proxy writes, so its root filesystem is read-only.
+    """
+    port = run.spec.proxy.port
+    probe = f"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/healthz', timeout=2)"
+    return {
+        "name": PROXY_CONTAINER,
+        "image": run.spec.proxy.image or config.proxy_image,
+        "restartPolicy": "Always",
+        "command": ["harnessrl", "proxy"],
+        "env": proxy_env(run, config, launch),
+        "startupProbe": {
+            "exec": {"command": ["python3", "-c", probe]},
+            "periodSeconds": 1,
+            "timeoutSeconds": 3,
+            "failureThreshold": 120,
+        },
+        "resources": {"requests": dict(PROXY_REQUESTS)},
+        "securityContext": {**restricted_security(), "readOnlyRootFilesystem": True},
+        "volumeMounts": [{"name": "spool", "mountPath": SPOOL_DIR}],
+    }
+
+
+def harness_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
+    """The spec's env, then the contract: the contract's names are harnessrl's (the spec says so), so they
+    replace a same-named variable of the spec. ``HOME`` is ``/tmp`` unless the spec sets it, because the
+    sandbox user has no home directory and tools (pip, git, caches) write there."""
+    spec = run.spec
+    base = f"http://127.0.0.1:{spec.proxy.port}/v1"
+    task_field = f"metadata.annotations['{naming.TASK_ANNOTATION}']"
+    user = spec_env(spec.harness.env)
+    defaults = [] if any(var["name"] == "HOME" for var in user) else [env("HOME", "/tmp")]
+    contract = [
+        env("OPENAI_BASE_URL", base),
+        env("OPENAI_API_KEY", "harnessrl"),
+        env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
+        env("HARNESSRL_REWARD_URL", f"{base}/reward"),
+        env("HARNESSRL_RUN", run.metadata.name),
+        env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
+        env("HARNESSRL_ATTEMPT", str(launch.attempt)),
+        env("HARNESSRL_TASK_ID", launch.task_id),
+        env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
+        env("HARNESSRL_TASK_FILE", TASK_FILE),
+        env_from_field("HARNESSRL_TASK", task_field),
+    ]
+    return merge_env(defaults + user, contract)
+
+
+def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
+    """The harness, as the spec describes it. Its root filesystem stays writable: harnesses install packages
+    and check out repositories where they like, and the spec has no field to ask for a read-only one."""
+    harness = run.spec.harness
+    container: dict[str, Any] = {
+        "name": HARNESS_CONTAINER,
+        "image": harness_image(run, launch),
+        "command": list(harness.command),
+    }
+    if harness.args:
+        container["args"] = list(harness.args)
+    if harness.working_dir:
+        container["workingDir"] = harness.working_dir
+    container["env"] = harness_env(run, launch)
+    resources = container_resources(harness.resources, 0)
+    if resources:
+        container["resources"] = resources
+    container["securityContext"] = restricted_security()
+    container["volumeMounts"] = [
+        {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    return container
+
+
+def harness_annotations(launch: Launch) -> dict[str, str]:
+    annotations = {
+        naming.ROLLOUT_ANNOTATION: launch.rollout_id,
+        naming.ATTEMPT_ANNOTATION: str(launch.attempt),
+        naming.POLICY_VERSION_ANNOTATION: str(launch.policy_version),
+        naming.TASK_ANNOTATION: task_json(launch),
+    }
+    size = sum(len(key.encode()) + len(value.encode()) for key, value in annotations.items())
+    if size > ANNOTATIONS_LIMIT:
+        raise ValueError(
+            f"task {launch.task_id!r}: {size} bytes of JSON, above the 256 KiB a harness pod can carry in its "
+            "annotations — keep large inputs in the harness image or on a volume and name them in task.data"
+        )
+    return annotations
+
+
+def render_harness_pod(
+    run: TrainingRun, namespace: str, uid: str, config: OperatorConfig, launch: Launch
+) -> dict[str, Any]:
+    """The pod of one rollout attempt, ``<rollout_id>-a<attempt>``.
+
+    Sandbox (``spec.harness.sandbox``): every container runs as non-root with no privilege escalation, no
+    capabilities and the RuntimeDefault seccomp profile; no service-account token and no service env vars.
+    The pod runs as uid/gid 65532 whatever the image says: most harness images run as root by default, and
+    ``runAsNonRoot`` alone would refuse to start them; the spec has no field to pick another user yet.
+    ``activeDeadlineSeconds`` is the attempt's timeout (rounded up), so the kubelet ends a harness the
+    operator could not stop in time. ``restartPolicy: Never``: a failed attempt is retried, if at all, as a
+    new attempt in a new pod, by the scheduler.
+    """
+    name = run.metadata.name
+    metadata = naming.child_metadata(
+        naming.harness_pod_name(launch.rollout_id, launch.attempt), namespace, name, uid, naming.HARNESS
+    )
+    metadata["annotations"] = harness_annotations(launch)
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "activeDeadlineSeconds": max(1, math.ceil(launch.timeout_s)),
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": SANDBOX_UID,
+            "runAsGroup": SANDBOX_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "initContainers": [proxy_container(run, config, launch)],
+        "containers": [harness_container(run, launch)],
+        "volumes": [
+            {
+                "name": "task",
+                "downwardAPI": {
+                    "items": [
+                        {
+                            "path": "task.json",
+                            "fieldRef": {"fieldPath": f"metadata.annotations['{naming.TASK_ANNOTATION}']"},
+                        }
+                    ]
+                },
+            },
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "spool", "emptyDir": {}},
+        ],
+    }
+    runtime_class = run.spec.harness.sandbox.runtime_class_name
+    if runtime_class:
+        pod_spec["runtimeClassName"] = runtime_class
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

@@ -1,0 +1,218 @@
+"""The learner: an Indexed Job of ``spec.learner.nodes`` pods, and the headless Service they rendezvous on.
+
+Each pod runs ``torchrun`` with static rendezvous: node rank = the pod's completion index, rank 0's address =
+``<run>-learner-0.<run>-learner`` (an Indexed Job names each pod's host ``<job>-<index>``; the pod's
+``subdomain`` and the headless Service make that name resolve). ``torchrun`` starts one ``harnessrl learn``
+process per accelerator and gives each the RANK, LOCAL_RANK and WORLD_SIZE that ``init_distributed`` reads.
+The command line mirrors ``harnessrl run``'s ``_start_learner``: the TrainingRun from a file (``--spec``,
+mounted from the run's Secret), the base model, the checkpoint directory, the steps and the replicas to sync.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Any
+
+from harnessrl.operator import naming
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.render_common import (
+    Claim,
+    claim_volumes,
+    container_resources,
+    env,
+    env_from_field,
+    env_from_secret,
+    upstream_roots,
+)
+from harnessrl.operator.render_secret import SPEC_KEY, run_secret_name, store_url_env
+from harnessrl.spec.models import TrainingRun
+
+MASTER_PORT = 29500
+WORK_DIR = "/var/lib/harnessrl"
+"""The learner's working directory (an emptyDir): relative paths of the spec land here, as they land in the
+run directory of ``harnessrl run``."""
+SPEC_DIR = "/etc/harnessrl/run"
+HUB_MODEL_DIR = f"{WORK_DIR}/model"
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+RESTARTS_PER_NODE = 3
+MODEL_VOLUME = "model"
+CHECKPOINT_VOLUME = "checkpoints"
+HUB_DOWNLOAD = (
+    "import os\n"
+    "from huggingface_hub import snapshot_download\n"
+    "snapshot_download(repo_id=os.environ['HARNESSRL_HUB_ID'], "
+    "revision=os.environ.get('HARNESSRL_HUB_REVISION') or None, local_dir=os.environ['HARNESSRL_MODEL_DIR'])\n"
+)
+"""The hub download, as a script reading its inputs from the environment (no value is pasted into code)."""
+
+
+def learner_image(run: TrainingRun, config: OperatorConfig) -> str:
+    return run.spec.learner.image or config.learner_image
+
+
+def model_dir(run: TrainingRun) -> str:
+    """``harnessrl learn --model`` needs a directory; a hub model is downloaded into one first."""
+    model = run.spec.model
+    return HUB_MODEL_DIR if model.hub is not None else model.path
+
+
+def checkpoint_dir(run: TrainingRun) -> str:
+    directory = run.spec.learner.checkpoint_dir
+    return directory if directory.startswith("/") else posixpath.join(WORK_DIR, directory)
+
+
+def learner_command(run: TrainingRun) -> list[str]:
+    """``torchrun`` around ``harnessrl learn``. The store URL is not a flag: ``--store`` reads
+    ``HARNESSRL_STORE_URL``, which keeps a password off the command line."""
+    learner = run.spec.learner
+    command = [
+        "torchrun",
+        "--nnodes=$(NNODES)",
+        "--nproc-per-node=$(NPROC_PER_NODE)",
+        "--node-rank=$(NODE_RANK)",
+        "--master-addr=$(MASTER_ADDR)",
+        "--master-port=$(MASTER_PORT)",
+        "-m", "harnessrl.cli", "learn",
+        "--spec", f"{SPEC_DIR}/{SPEC_KEY}",
+        "--run", run.metadata.name,
+        "--model", model_dir(run),
+        "--output", checkpoint_dir(run),
+        "--steps", str(learner.steps),
+    ]  # fmt: skip
+    for root in upstream_roots(run):
+        command += ["--replica", root]
+    return command
+
+
+def learner_env(run: TrainingRun, config: OperatorConfig) -> list[dict[str, Any]]:
+    name = run.metadata.name
+    learner = run.spec.learner
+    return [
+        env("MASTER_ADDR", f"{naming.learner_name(name)}-0.{naming.learner_name(name)}"),
+        env("MASTER_PORT", str(MASTER_PORT)),
+        env("NNODES", str(learner.nodes)),
+        env("NPROC_PER_NODE", str(max(1, learner.gpus_per_node))),
+        env_from_field("NODE_RANK", COMPLETION_INDEX),
+        store_url_env(run, config),
+    ]
+
+
+def learner_claims(run: TrainingRun) -> list[Claim]:
+    spec = run.spec
+    claims = []
+    if spec.model.volume is not None:
+        claims.append(Claim(MODEL_VOLUME, spec.model.volume, True, "spec.model.volume"))
+    if spec.learner.checkpoint_volume is not None:
+        claims.append(
+            Claim(CHECKPOINT_VOLUME, spec.learner.checkpoint_volume, False, "spec.learner.checkpointVolume")
+        )
+    return claims
+
+
+def hub_download_container(run: TrainingRun, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
+    hub = run.spec.model.hub
+    variables = [env("HARNESSRL_HUB_ID", hub.id), env("HARNESSRL_MODEL_DIR", HUB_MODEL_DIR)]
+    if hub.revision:
+        variables.append(env("HARNESSRL_HUB_REVISION", hub.revision))
+    if hub.token_secret is not None:
+        variables.append(env_from_secret("HF_TOKEN", hub.token_secret.name, hub.token_secret.key))
+    return {
+        "name": "model",
+        "image": image,
+        "command": ["python3", "-c", HUB_DOWNLOAD],
+        "env": variables,
+        "volumeMounts": mounts,
+    }
+
+
+def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: OperatorConfig) -> dict[str, Any]:
+    """The learner Job ``<run>-learner``.
+
+    - ``restartPolicy: OnFailure``: a failed rank restarts in place, keeping its pod, hostname and address,
+      and rejoins the others at rank 0 (whose collectives broke with it, so they restart too); a new pod per
+      failure (``Never``) would leave the surviving ranks blocked in a collective until NCCL's timeout.
+    - ``backoffLimit`` = 3 restarts per node: one incident usually restarts every rank, and each restart
+      resumes from the newest committed checkpoint, so three incidents cost at most three steps; past that
+      the failure is not transient and the run fails (LearnerCrashed) instead of holding GPUs.
+    - init containers: ``harnessrl db upgrade`` so the schema exists before any rank opens the store (safe
+      from several pods at once), and for a hub model the download ``--model`` needs.
+    - the pod template is immutable once the Job exists: changing ``spec.learner`` of a running run needs the
+      Job deleted (the TrainingRun's other children follow the spec).
+    """
+    name = run.metadata.name
+    learner = run.spec.learner
+    image = learner_image(run, config)
+    volumes, mounts = claim_volumes(learner_claims(run))
+    volumes += [
+        {"name": "work", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {
+            "name": "spec",
+            "secret": {"secretName": run_secret_name(name), "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]},
+        },
+    ]
+    mounts += [
+        {"name": "work", "mountPath": WORK_DIR},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
+    ]
+    store = store_url_env(run, config)
+    init_containers = [
+        {"name": "db-upgrade", "image": image, "command": ["harnessrl", "db", "upgrade"], "env": [store]}
+    ]
+    if run.spec.model.hub is not None:
+        init_containers.append(hub_download_container(run, image, [{"name": "work", "mountPath": WORK_DIR}]))
+    container: dict[str, Any] = {
+        "name": "learner",
+        "image": image,
+        "command": learner_command(run),
+        "workingDir": WORK_DIR,
+        "env": learner_env(run, config),
+        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+    }
+    resources = container_resources(learner.resources, learner.gpus_per_node)
+    if resources:
+        container["resources"] = resources
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": naming.child_metadata(naming.learner_name(name), namespace, name, uid, naming.LEARNER),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": learner.nodes,
+            "parallelism": learner.nodes,
+            "backoffLimit": RESTARTS_PER_NODE * learner.nodes,
+            "template": {
+                "metadata": {"labels": naming.labels(name, naming.LEARNER)},
+                "spec": {
+                    "subdomain": naming.learner_name(name),
+                    "restartPolicy": "OnFailure",
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "initContainers": init_containers,
+                    "containers": [container],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }
+
+
+def render_learner_service(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any]:
+    """Headless Service ``<run>-learner`` that gives each learner pod a DNS name. Not-ready addresses are
+    published: the learner has no readiness probe, and rank 0 must resolve before any rank is past startup."""
+    name = run.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.child_metadata(naming.learner_name(name), namespace, name, uid, naming.LEARNER),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": naming.selector(name, naming.LEARNER),
+            "ports": [
+                {"name": "rendezvous", "port": MASTER_PORT, "targetPort": "rendezvous", "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,0 +1,224 @@
+"""The vLLM servers that generate rollouts: a Deployment and two Services.
+
+The server is started as ``harnessrl run`` starts it (``local/vllm_server.py``): the policy served under one
+name, ``VLLM_SERVER_DEV_MODE=1`` so the learner can reload weights in place through ``/collective_rpc``,
+usage statistics off. What a cluster adds: the model from a claim or a hub, the learner's checkpoint claim
+mounted read-only at the learner's own path (weight sync hands vLLM the path the learner wrote), and probes
+that tell "loading the model" (up to ``OperatorConfig.provisioning_timeout_seconds``) from "hung".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from harnessrl.operator import naming
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.render_common import (
+    SERVED_MODEL_NAME,
+    Claim,
+    claim_volumes,
+    container_resources,
+    env,
+    env_from_secret,
+    merge_env,
+    spec_env,
+)
+from harnessrl.spec.models import TrainingRun
+
+MODEL_VOLUME = "model"
+CHECKPOINT_VOLUME = "checkpoints"
+HF_CACHE = "/root/.cache/huggingface"
+"""Where vLLM keeps hub downloads (``HF_HOME`` of the image's root user); an emptyDir, so a replica
+downloads once per pod and the node's disk is returned when the pod goes."""
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+PROBE_PERIOD_SECONDS = 10
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of ``rank`` (vLLM refuses any other value)."""
+    for allowed in MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"spec.learner.lora.rank: {rank} is above {MAX_LORA_RANKS[-1]}, the largest LoRA rank vLLM serves — "
+        "lower it"
+    )
+
+
+def model_argument(run: TrainingRun) -> str:
+    """What ``vllm serve`` loads: the directory (inside the claim when there is one) or the hub id."""
+    model = run.spec.model
+    return model.hub.id if model.hub is not None else model.path
+
+
+def vllm_args(run: TrainingRun) -> list[str]:
+    spec = run.spec
+    rollout = spec.rollout
+    args = [
+        model_argument(run),
+        "--host", "0.0.0.0",
+        "--port", str(naming.VLLM_PORT),
+        "--served-model-name", SERVED_MODEL_NAME,
+        "--max-model-len", str(rollout.max_model_len),
+        "--tensor-parallel-size", str(rollout.tensor_parallel),
+    ]  # fmt: skip
+    if spec.model.hub is not None and spec.model.hub.revision:
+        args += ["--revision", spec.model.hub.revision]
+    if spec.model.tokenizer:
+        args += ["--tokenizer", spec.model.tokenizer]
+    if spec.weight_sync.method == "lora":
+        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(spec.learner.lora.rank))]
+    return args + list(rollout.args)
+
+
+def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:
+    """Ours first, then the spec's: a user may tune vLLM's variables, including ours."""
+    spec = run.spec
+    ours = [env("VLLM_SERVER_DEV_MODE", "1"), env("VLLM_NO_USAGE_STATS", "1"), env("DO_NOT_TRACK", "1")]
+    if spec.weight_sync.method == "lora":
+        ours.append(env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"))
+    hub = spec.model.hub
+    if hub is None:
+        ours.append(env("HF_HUB_OFFLINE", "1"))
+    elif hub.token_secret is not None:
+        ours.append(env_from_secret("HF_TOKEN", hub.token_secret.name, hub.token_secret.key))
+    return merge_env(ours, spec_env(spec.rollout.env))
+
+
+def rollout_claims(run: TrainingRun) -> list[Claim]:
+    """The model's claim and the learner's checkpoint claim, both read-only: vLLM only reads weights."""
+    spec = run.spec
+    claims = []
+    if spec.model.volume is not None:
+        claims.append(Claim(MODEL_VOLUME, spec.model.volume, True, "spec.model.volume"))
+    if spec.learner.checkpoint_volume is not None:
+        claims.append(
+            Claim(CHECKPOINT_VOLUME, spec.learner.checkpoint_volume, True, "spec.learner.checkpointVolume")
+        )
+    return claims
+
+
+def _http_probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": timeout,
+        "failureThreshold": failures,
+    }
+
+
+def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
+    """The server container.
+
+    Probes: ``/health`` answers as soon as the HTTP server is up, before the weights are loaded, so the
+    startup probe asks ``/v1/models`` (served only once the engine is ready) for as long as the operator
+    waits for provisioning. Readiness then follows ``/health``; liveness allows a minute of silence, since a
+    large in-place weight reload can keep the engine busy for tens of seconds.
+    """
+    spec = run.spec
+    _, mounts = claim_volumes(rollout_claims(run))
+    mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+    if spec.model.hub is not None:
+        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
+    startup_failures = math.ceil(config.provisioning_timeout_seconds / PROBE_PERIOD_SECONDS)
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": spec.rollout.image,
+        "command": ["vllm", "serve"],
+        "args": vllm_args(run),
+        "env": vllm_env(run),
+        "ports": [{"name": "http", "containerPort": naming.VLLM_PORT, "protocol": "TCP"}],
+        "startupProbe": _http_probe("/v1/models", PROBE_PERIOD_SECONDS, startup_failures, 5),
+        "readinessProbe": _http_probe("/health", 5, 3, 5),
+        "livenessProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 6, 10),
+        "volumeMounts": mounts,
+    }
+    resources = container_resources(spec.rollout.resources, spec.rollout.gpus_per_replica)
+    if resources:
+        container["resources"] = resources
+    return container
+
+
+def rollout_volumes(run: TrainingRun) -> list[dict[str, Any]]:
+    spec = run.spec
+    volumes, _ = claim_volumes(rollout_claims(run))
+    volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+    if spec.model.hub is not None:
+        volumes.append({"name": "hf-cache", "emptyDir": {}})
+    return volumes
+
+
+def render_rollout_deployment(
+    run: TrainingRun, namespace: str, uid: str, config: OperatorConfig
+) -> dict[str, Any]:
+    """The vLLM Deployment ``<run>-rollout``, ``spec.rollout.replicas`` servers.
+
+    Rolling updates replace one replica at a time without a surge pod: accelerators are the scarce resource,
+    and a surge replica would wait for GPUs that the old replicas hold. ``progressDeadlineSeconds`` matches
+    the operator's provisioning timeout, so the Deployment's own Progressing condition agrees with the run's.
+    ``/dev/shm`` is a memory-backed emptyDir because the container runtime's default 64 MiB is too small for
+    the tensor-parallel workers' shared memory.
+    """
+    name = run.metadata.name
+    pod_spec: dict[str, Any] = {
+        "containers": [vllm_container(run, config)],
+        "volumes": rollout_volumes(run),
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": naming.child_metadata(naming.rollout_name(name), namespace, name, uid, naming.ROLLOUT),
+        "spec": {
+            "replicas": run.spec.rollout.replicas,
+            "selector": {"matchLabels": naming.selector(name, naming.ROLLOUT)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "progressDeadlineSeconds": config.provisioning_timeout_seconds,
+            "template": {
+                "metadata": {"labels": naming.labels(name, naming.ROLLOUT)},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def _service_port() -> dict[str, Any]:
+    return {"name": "http", "port": naming.VLLM_PORT, "targetPort": "http", "protocol": "TCP"}
+
+
+def render_rollout_service(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any]:
+    """ClusterIP Service ``<run>-rollout``: the proxies' upstream, spreading connections over ready replicas."""
+    name = run.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.child_metadata(naming.rollout_name(name), namespace, name, uid, naming.ROLLOUT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": naming.selector(name, naming.ROLLOUT),
+            "ports": [_service_port()],
+        },
+    }
+
+
+def render_rollout_pods_service(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any]:
+    """Headless Service ``<run>-rollout-pods``: its DNS name lists every ready replica's address, for clients
+    that must reach each replica (weight sync) or pin a rollout to one. Not-ready replicas are left out: a
+    replica still loading the model must not get calls."""
+    name = run.metadata.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": naming.child_metadata(
+            naming.rollout_pods_name(name), namespace, name, uid, naming.ROLLOUT
+        ),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": naming.selector(name, naming.ROLLOUT),
+            "ports": [_service_port()],
+        },
+    }

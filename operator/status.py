@@ -1,0 +1,149 @@
+"""A TrainingRun's status, computed from what one reconcile observed: a pure function, so the phase rules are
+tested without a cluster and the status is the same whoever (or whichever restart) computes it.
+
+The phase answers "where is the run", the reason "why" (a closed set, ``harnessrl.spec.status.Reason``), and
+the conditions the four questions users ask: is the store reachable, is vLLM serving, is the learner up, is
+the run progressing. A condition's ``lastTransitionTime`` moves only when its status does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from harnessrl.spec.status import ConditionType, Phase, Reason
+from harnessrl.store import RolloutState
+
+
+@dataclass
+class Observed:
+    """What one reconcile saw. ``problem`` is a failure that names the field and the fix."""
+
+    generation: int
+    phase: Phase
+    reason: Reason
+    message: str = ""
+    store_ready: bool | None = None
+    store_message: str = ""
+    rollout_ready: bool | None = None
+    rollout_message: str = ""
+    learner_ready: bool | None = None
+    learner_message: str = ""
+    policy_version: int | None = None
+    step: int | None = None
+    counts: dict[RolloutState, int] = field(default_factory=dict)
+    reward_mean: float | None = None
+    start_time: str | None = None
+    completion_time: str | None = None
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def epoch(stamp: Any) -> float | None:
+    """Seconds since the epoch of a Kubernetes timestamp (the API's RFC 3339 text, or a parsed datetime)."""
+    if not stamp:
+        return None
+    if isinstance(stamp, datetime):
+        return stamp.timestamp()
+    return datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+
+
+def _condition(
+    kind: ConditionType,
+    ok: bool | None,
+    reason: str,
+    message: str,
+    generation: int,
+    previous: dict[str, dict[str, Any]],
+) -> dict[str, Any]:
+    status = "Unknown" if ok is None else ("True" if ok else "False")
+    before = previous.get(kind.value)
+    moved = before is None or before.get("status") != status
+    return {
+        "type": kind.value,
+        "status": status,
+        "reason": reason,
+        "message": message[:32768],
+        "lastTransitionTime": now_iso() if moved else before["lastTransitionTime"],
+        "observedGeneration": generation,
+    }
+
+
+def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``status`` to write; ``previous`` is the object's current status (for transition times)."""
+    previous = previous or {}
+    before = {c["type"]: c for c in previous.get("conditions") or [] if "type" in c}
+    g = observed.generation
+    progressing = observed.phase in (Phase.PENDING, Phase.PROVISIONING, Phase.RUNNING)
+    conditions = [
+        _condition(
+            ConditionType.STORE_READY,
+            observed.store_ready,
+            "Connected" if observed.store_ready else "StoreUnavailable",
+            observed.store_message,
+            g,
+            before,
+        ),
+        _condition(
+            ConditionType.ROLLOUT_READY,
+            observed.rollout_ready,
+            "Serving" if observed.rollout_ready else "NotServing",
+            observed.rollout_message,
+            g,
+            before,
+        ),
+        _condition(
+            ConditionType.LEARNER_READY,
+            observed.learner_ready,
+            "Running" if observed.learner_ready else "NotRunning",
+            observed.learner_message,
+            g,
+            before,
+        ),
+        _condition(
+            ConditionType.PROGRESSING, progressing, observed.reason.value, observed.message, g, before
+        ),
+    ]
+    counts = observed.counts
+    status: dict[str, Any] = {
+        "phase": observed.phase.value,
+        "reason": observed.reason.value,
+        "message": observed.message,
+        "conditions": conditions,
+        "observedGeneration": g,
+        "rollouts": {
+            "queued": counts.get(RolloutState.QUEUED, 0),
+            "running": counts.get(RolloutState.RUNNING, 0),
+            "succeeded": counts.get(RolloutState.SUCCEEDED, 0),
+            "failed": counts.get(RolloutState.FAILED, 0),
+            "timedOut": counts.get(RolloutState.TIMED_OUT, 0),
+        },
+    }
+    for key, value in (
+        ("policyVersion", observed.policy_version),
+        ("step", observed.step),
+        ("rewardMean", observed.reward_mean),
+        ("startTime", observed.start_time or previous.get("startTime")),
+        ("completionTime", observed.completion_time or previous.get("completionTime")),
+    ):
+        if value is not None:
+            status[key] = value
+    return status
+
+
+def same_status(a: dict[str, Any] | None, b: dict[str, Any]) -> bool:
+    """Equal but for condition transition times (which only move with a status change anyway)."""
+    if a is None:
+        return False
+
+    def strip(status: dict[str, Any]) -> dict[str, Any]:
+        out = dict(status)
+        out["conditions"] = [
+            {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions") or []
+        ]
+        return out
+
+    return strip(a) == strip(b)

@@ -1,0 +1,197 @@
+"""The pod backend at unit level: pod objects as the kubelet reports them map to the right exits, creation is
+idempotent and rate-bounded, deletions and refusals become exits (fast: a recording API, no cluster; the
+scenarios in test_operator_cluster.py run it against the real control plane)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from harnessrl.operator.naming import ATTEMPT_ANNOTATION, ROLLOUT_ANNOTATION
+from harnessrl.operator.pods import PodApi, PodBackend, PodSummary, summarize_pod
+from harnessrl.scheduler import HarnessExit, Launch
+
+
+def pod(
+    phase: str,
+    *,
+    harness: dict[str, Any] | None = None,
+    reason: str | None = None,
+    attempt: int = 0,
+    deleting: bool = False,
+    message: str | None = None,
+) -> dict[str, Any]:
+    status: dict[str, Any] = {"phase": phase}
+    if harness is not None:
+        status["containerStatuses"] = [{"name": "harness", "state": harness}]
+    if reason:
+        status["reason"] = reason
+    if message:
+        status["message"] = message
+    meta: dict[str, Any] = {
+        "name": f"r1-a{attempt}",
+        "creationTimestamp": "2026-12-03T10:00:00Z",
+        "annotations": {ROLLOUT_ANNOTATION: "r1", ATTEMPT_ANNOTATION: str(attempt)},
+    }
+    if deleting:
+        meta["deletionTimestamp"] = "2026-12-03T10:01:00Z"
+    return {"metadata": meta, "status": status}
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            pod("Running", harness={"running": {"startedAt": "2026-12-03T10:00:01Z"}}),
+            ("Running", None, None, False),
+        ),
+        (
+            pod("Succeeded", harness={"terminated": {"exitCode": 0, "reason": "Completed"}}),
+            ("Succeeded", 0, "Completed", False),
+        ),
+        (
+            pod("Failed", harness={"terminated": {"exitCode": 3, "reason": "Error"}}),
+            ("Failed", 3, "Error", False),
+        ),
+        (
+            pod("Failed", harness={"terminated": {"exitCode": 137, "reason": "OOMKilled"}}),
+            ("Failed", 137, "OOMKilled", False),
+        ),
+        (
+            pod("Failed", reason="Evicted", message="The node was low on resource: memory."),
+            ("Failed", None, "Evicted: The node was low on resource: memory.", False),
+        ),
+        (
+            pod(
+                "Failed",
+                reason="DeadlineExceeded",
+                message="Pod was active on the node longer than specified",
+            ),
+            ("Failed", None, "DeadlineExceeded: Pod was active on the node longer than specified", False),
+        ),
+        (
+            pod(
+                "Pending",
+                harness={"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}},
+            ),
+            ("Pending", None, "ImagePullBackOff: Back-off pulling image", True),
+        ),
+        (pod("Pending", harness={"waiting": {"reason": "ErrImagePull"}}), ("Pending", None, None, False)),
+        (
+            pod(
+                "Pending",
+                harness={
+                    "waiting": {"reason": "CreateContainerConfigError", "message": 'secret "gh" not found'}
+                },
+            ),
+            ("Pending", None, 'CreateContainerConfigError: secret "gh" not found', True),
+        ),
+    ],
+    ids=[
+        "running",
+        "succeeded",
+        "exit-3",
+        "oom",
+        "evicted",
+        "deadline",
+        "image-pull",
+        "first-pull-error",
+        "missing-secret",
+    ],
+)
+def test_summaries_read_what_the_kubelet_reports(body: dict, expected: tuple) -> None:
+    summary = summarize_pod(body)
+    assert summary is not None and summary.key == ("r1", 0)
+    assert (summary.phase, summary.exit_code, summary.reason, summary.fatal) == expected
+
+
+def test_foreign_pods_are_not_summarized() -> None:
+    assert summarize_pod({"metadata": {"name": "x", "annotations": {}}, "status": {}}) is None
+
+
+class RecordingApi(PodApi):
+    def __init__(self, refuse: ApiException | None = None) -> None:
+        self.created: list[dict[str, Any]] = []
+        self.deleted: list[tuple[str, int]] = []
+        self.refuse = refuse
+
+    def create(self, namespace: str, pod: dict[str, Any]) -> None:
+        if self.refuse is not None:
+            raise self.refuse
+        self.created.append(pod)
+
+    def delete(self, namespace: str, name: str, grace_seconds: int) -> None:
+        self.deleted.append((name, grace_seconds))
+
+
+def launch(attempt: int = 0, rollout: str = "r1") -> Launch:
+    return Launch("run", rollout, attempt, "t1", {"id": "t1"}, 0, 60.0)
+
+
+def backend(api: RecordingApi, pods: list[PodSummary], clock: list[float] | None = None) -> PodBackend:
+    clock = clock if clock is not None else [0.0]
+    return PodBackend(
+        "ns",
+        lambda item: {"metadata": {"name": f"{item.rollout_id}-a{item.attempt}"}},
+        api,
+        lambda: list(pods),
+        pods_per_second=4,
+        clock=lambda: clock[0],
+    )
+
+
+def test_exits_map_pod_outcomes_and_released_pods_stay_quiet_until_gone() -> None:
+    api, pods = RecordingApi(), []
+    b = backend(api, pods)
+    pods += [
+        summarize_pod(pod("Succeeded", harness={"terminated": {"exitCode": 0}}, attempt=0)),
+        summarize_pod(pod("Failed", harness={"terminated": {"exitCode": 2, "reason": "Error"}}, attempt=1)),
+        summarize_pod(pod("Running", harness={"running": {}}, attempt=2)),
+    ]
+    assert b.alive() == {("r1", 2)}
+    assert b.exits() == [HarnessExit("r1", 0, 0, None), HarnessExit("r1", 1, 2, "Error")]
+    b.release("r1", 0)
+    assert api.deleted == [("r1-a0", 0)]
+    assert [e.attempt for e in b.exits()] == [1]  # the deletion has not reached the watch yet
+    b.pod_deleted(pods.pop(0))  # the watch saw it go: nothing is remembered for it any more
+    assert b.gone == {} and not b._released
+
+
+def test_a_pod_deleted_before_it_ended_is_an_exit_without_code() -> None:
+    api, pods = RecordingApi(), []
+    b = backend(api, pods)
+    running = summarize_pod(pod("Running", harness={"running": {}}))
+    b.pod_deleted(running)
+    assert b.exits() == [
+        HarnessExit("r1", 0, None, "PodDeleted: the pod was deleted before the harness ended")
+    ]
+    b.release("r1", 0)
+    assert b.exits() == []
+
+
+def test_creation_is_rate_bounded_and_suspend_stops_it() -> None:
+    api, clock = RecordingApi(), [0.0]
+    b = backend(api, [], clock)
+    assert b.launch_budget() == 4
+    for attempt in range(4):
+        b.launch(launch(attempt))
+    assert b.launch_budget() == 0
+    clock[0] = 0.5
+    assert b.launch_budget() == 2
+    clock[0] = 10.0
+    assert b.launch_budget() == 4  # the bucket holds at most one second of tokens
+    b.suspended = True
+    assert b.launch_budget() == 0
+    assert len(api.created) == 4
+
+
+def test_a_refused_pod_fails_its_attempt_with_the_reason() -> None:
+    refusal = ApiException(status=403, reason="Forbidden")
+    refusal.body = 'pods "r1-a0" is forbidden: exceeded quota'
+    b = backend(RecordingApi(refuse=refusal), [])
+    b.launch(launch())
+    [ended] = b.exits()
+    assert ended.exit_code is None and ended.detail.startswith("PodRejected: Forbidden: ")
+    assert "exceeded quota" in ended.detail

@@ -1,0 +1,604 @@
+"""The operator's renderers: golden files, schema validation, the real API server, and the rules one by one.
+
+Golden files: every TrainingRun in ``examples/*.yaml`` is rendered (its children plus one harness pod for a
+fixed launch) and compared with ``tests/golden/render/<example>/<kind>-<name>.yaml``. After an intended
+change, rewrite them with ``HARNESSRL_UPDATE_GOLDEN=1 pytest tests/test_render.py`` and review the diff.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from harnessrl.devcluster import Cluster
+from harnessrl.local.runner import SERVED_MODEL_NAME as LOCAL_SERVED_MODEL_NAME
+from harnessrl.operator import naming
+from harnessrl.operator.config import OperatorConfig
+from harnessrl.operator.render import render_harness_pod, render_run_children
+from harnessrl.operator.render_common import SERVED_MODEL_NAME
+from harnessrl.operator.render_learner import render_learner_job
+from harnessrl.operator.render_network import render_network_policy
+from harnessrl.operator.render_rollout import render_rollout_deployment
+from harnessrl.operator.render_secret import SPEC_KEY, STORE_URL_KEY, render_run_secret, run_secret_name
+from harnessrl.scheduler import Launch
+from harnessrl.spec.commands import validate_file
+from harnessrl.spec.documents import is_other_object, load_documents
+from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.problems import parse_training_run
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden" / "render"
+UPDATE_GOLDEN = os.environ.get("HARNESSRL_UPDATE_GOLDEN") == "1"
+NAMESPACE = "team-a"
+UID = "0b7c4a52-3f4e-4c1a-9d2e-5a8f1e6b7c90"
+CONFIG = OperatorConfig(
+    proxy_image="ghcr.io/harnessrl/proxy:test",
+    learner_image="ghcr.io/harnessrl/learner:test",
+    store_url="postgresql+psycopg://harnessrl:secret@harnessrl-postgresql:5432/harnessrl",
+)
+TASK_IMAGE = "ghcr.io/example/harness:1"
+KUBE_VERSIONS = ("1.30", "1.36")
+
+
+def example_documents() -> dict[str, dict[str, Any]]:
+    found = {}
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for document in load_documents(path.read_text()):
+            if not is_other_object(document.data):
+                found[path.stem] = document.data
+    return found
+
+
+EXAMPLES = example_documents()
+CLUSTER = EXAMPLES["trainingrun-cluster"]
+MINIMAL = EXAMPLES["trainingrun-minimal"]
+
+
+def variant(base: dict[str, Any], change: Callable[[dict[str, Any]], None]) -> TrainingRun:
+    doc = copy.deepcopy(base)
+    change(doc["spec"])
+    return parse_training_run(doc)
+
+
+def launch_for(run: TrainingRun, task: dict[str, Any] | None = None, timeout_s: float = 1800.0) -> Launch:
+    """A fixed attempt; a run with no harness image gets a task that names one (else no pod can start)."""
+    if task is None:
+        task = {"id": "task-1", "data": {"question": "What is 2 + 3?", "answer": "5"}}
+        if run.spec.harness.image is None:
+            task["image"] = TASK_IMAGE
+    name = run.metadata.name
+    return Launch(name, f"{name}-g000002-r003", 1, task["id"], task, 4, timeout_s)
+
+
+def render_all(run: TrainingRun, namespace: str = NAMESPACE, uid: str = UID) -> list[dict[str, Any]]:
+    return [
+        *render_run_children(run, namespace, uid, CONFIG),
+        render_harness_pod(run, namespace, uid, CONFIG, launch_for(run)),
+    ]
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and name in (None, o["metadata"]["name"])]
+    assert len(matches) == 1, f"{len(matches)} {kind} {name or ''} in {[o['kind'] for o in objects]}"
+    return matches[0]
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    """name -> value, or the valueFrom mapping."""
+    return {var["name"]: var.get("value", var.get("valueFrom")) for var in container.get("env", [])}
+
+
+def container(pod_spec: dict[str, Any], name: str) -> dict[str, Any]:
+    for item in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        if item["name"] == name:
+            return item
+    raise AssertionError(f"no container {name}")
+
+
+# Runs beyond the examples, so schema validation and the API server also see the other branches.
+VARIANTS: dict[str, Callable[[], TrainingRun]] = {
+    "hub-model": lambda: variant(
+        CLUSTER,
+        lambda s: s.update(
+            model={
+                "hub": {"id": "Qwen/Qwen3-8B", "revision": "main", "tokenSecret": {"name": "hf", "key": "t"}}
+            }
+        ),
+    ),
+    "upstreams": lambda: variant(
+        MINIMAL,
+        lambda s: s.update(
+            rollout={"upstreams": ["http://10.1.2.3:8000/v1", "https://vllm.example/v1/"]},
+            store={"postgres": {"url": "postgresql+psycopg://u@10.9.8.7:6543/db"}},
+        ),
+    ),
+    "cpu-no-policy": lambda: variant(
+        CLUSTER,
+        lambda s: (
+            s["rollout"].update(gpusPerReplica=0, tensorParallel=1),
+            s["learner"].update(gpusPerNode=0, nodes=1),
+            s["harness"]["sandbox"].update(networkPolicy="none", egress=[]),
+        ),
+    ),
+}
+
+
+def all_runs() -> dict[str, TrainingRun]:
+    runs = {name: parse_training_run(doc) for name, doc in EXAMPLES.items()}
+    runs.update({name: make() for name, make in VARIANTS.items()})
+    return runs
+
+
+# --- golden files ---------------------------------------------------------------------------------------------
+
+
+def golden_name(obj: dict[str, Any]) -> str:
+    return f"{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_golden(example: str) -> None:
+    """Rendered objects equal the committed files (HARNESSRL_UPDATE_GOLDEN=1 rewrites them)."""
+    objects = render_all(parse_training_run(EXAMPLES[example]))
+    folder = GOLDEN / example
+    rendered = {golden_name(obj): obj for obj in objects}
+    assert len(rendered) == len(objects), "two objects would share a golden file"
+    if UPDATE_GOLDEN:
+        folder.mkdir(parents=True, exist_ok=True)
+        for stale in {p.name for p in folder.glob("*.yaml")} - set(rendered):
+            (folder / stale).unlink()
+        for name, obj in rendered.items():
+            (folder / name).write_text(yaml.safe_dump(obj, sort_keys=False, allow_unicode=True, width=110))
+    committed = {p.name for p in folder.glob("*.yaml")}
+    assert committed == set(rendered), "golden files differ from the rendered objects; see the test docstring"
+    for name, obj in rendered.items():
+        assert yaml.safe_load((folder / name).read_text()) == obj, f"{folder / name} differs from the render"
+
+
+def test_rendering_is_deterministic_and_shares_nothing() -> None:
+    """Equal output for equal input, and no part shared between objects (YAML would show it as an alias),
+    so a caller may change one rendered object without changing another."""
+    for run in all_runs().values():
+        objects = render_all(run)
+        assert objects == render_all(run)
+        assert "&id" not in yaml.safe_dump(objects)
+
+
+# --- schemas and the API server --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", sorted(all_runs()))
+def test_objects_pass_kubernetes_validate(name: str, version: str) -> None:
+    for obj in render_all(all_runs()[name]):
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_api_server_accepts_every_object(kube: Cluster, kube_namespace: str) -> None:
+    """Server-side dry run of everything rendered (the owner uid need not exist for that); the
+    RuntimeClass the cluster example names must exist, or admission refuses its pods."""
+    runtime_class = {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": "gvisor"},
+        "handler": "runsc",
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps(runtime_class))
+    for name, run in sorted(all_runs().items()):
+        objects = render_all(run, namespace=kube_namespace)
+        listing = {"apiVersion": "v1", "kind": "List", "items": objects}
+        dry_run = ("apply", "--dry-run=server", "-n", kube_namespace, "-f", "-")
+        result = kube.kubectl(*dry_run, input=json.dumps(listing), check=False)
+        assert result.returncode == 0, f"{name}: {result.stderr}"
+        assert "Warning" not in result.stderr, f"{name}: {result.stderr}"
+        assert result.stdout.count("(server dry run)") == len(objects), result.stdout
+
+
+# --- owners ----------------------------------------------------------------------------------------------------
+
+
+def test_every_child_is_owned_by_the_run() -> None:
+    for run in all_runs().values():
+        for obj in render_all(run):
+            (owner,) = obj["metadata"]["ownerReferences"]
+            assert owner["uid"] == UID and owner["controller"] is True, obj["metadata"]["name"]
+            assert owner["kind"] == "TrainingRun" and owner["name"] == run.metadata.name
+            assert obj["metadata"]["namespace"] == NAMESPACE
+            assert obj["metadata"]["labels"][naming.RUN_LABEL] == run.metadata.name
+
+
+def test_children_without_rollout_servers_when_upstreams_are_given() -> None:
+    run = VARIANTS["upstreams"]()
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in render_run_children(run, NAMESPACE, UID, CONFIG)]
+    assert kinds == [
+        ("Secret", "minimal-config"),
+        ("Service", "minimal-learner"),
+        ("NetworkPolicy", "minimal-harness"),
+        ("Job", "minimal-learner"),
+    ]
+    proxy = container(render_harness_pod(run, NAMESPACE, UID, CONFIG, launch_for(run))["spec"], "proxy")
+    assert env_of(proxy)["HARNESSRL_UPSTREAMS"] == "http://10.1.2.3:8000,https://vllm.example"
+    command = by_kind(render_run_children(run, NAMESPACE, UID, CONFIG), "Job")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["command"]
+    assert [command[i + 1] for i, arg in enumerate(command) if arg == "--replica"] == [
+        "http://10.1.2.3:8000",
+        "https://vllm.example",
+    ]
+
+
+# --- the harness pod -------------------------------------------------------------------------------------------
+
+
+def harness_pod(run: TrainingRun, **launch: Any) -> dict[str, Any]:
+    return render_harness_pod(run, NAMESPACE, UID, CONFIG, launch_for(run, **launch))
+
+
+def test_proxy_is_a_native_sidecar_that_must_answer_first() -> None:
+    spec = harness_pod(parse_training_run(CLUSTER))["spec"]
+    (proxy,) = spec["initContainers"]
+    assert proxy["name"] == "proxy" and proxy["restartPolicy"] == "Always"
+    assert proxy["command"] == ["harnessrl", "proxy"]
+    assert "/healthz" in " ".join(proxy["startupProbe"]["exec"]["command"])
+    assert [c["name"] for c in spec["containers"]] == ["harness"]
+    assert spec["restartPolicy"] == "Never"
+
+
+def test_harness_reaches_its_sidecar_on_the_spec_port() -> None:
+    run = variant(CLUSTER, lambda s: s["proxy"].update(port=9123))
+    spec = harness_pod(run)["spec"]
+    harness, proxy = env_of(container(spec, "harness")), env_of(container(spec, "proxy"))
+    assert harness["OPENAI_BASE_URL"] == "http://127.0.0.1:9123/v1"
+    assert harness["HARNESSRL_REWARD_URL"] == "http://127.0.0.1:9123/v1/reward"
+    assert harness["HARNESSRL_MODEL_NAME"] == proxy["HARNESSRL_MODEL_NAME"] == SERVED_MODEL_NAME
+    assert (proxy["HARNESSRL_PROXY_HOST"], proxy["HARNESSRL_PROXY_PORT"]) == ("127.0.0.1", "9123")
+    assert "127.0.0.1:9123/healthz" in container(spec, "proxy")["startupProbe"]["exec"]["command"][-1]
+    assert SERVED_MODEL_NAME == LOCAL_SERVED_MODEL_NAME
+
+
+def test_harness_contract_overrides_a_same_named_spec_variable() -> None:
+    run = variant(CLUSTER, lambda s: s["harness"]["env"].append({"name": "OPENAI_BASE_URL", "value": "x"}))
+    variables = container(harness_pod(run)["spec"], "harness")["env"]
+    assert [v.get("value") for v in variables if v["name"] == "OPENAI_BASE_URL"] == [
+        "http://127.0.0.1:8080/v1"
+    ]
+    assert env_of(container(harness_pod(run)["spec"], "harness"))["GITHUB_TOKEN"] == {
+        "secretKeyRef": {"name": "github", "key": "token"}
+    }
+
+
+def test_active_deadline_is_the_attempt_timeout_rounded_up() -> None:
+    run = parse_training_run(CLUSTER)
+    assert harness_pod(run, timeout_s=1800.0)["spec"]["activeDeadlineSeconds"] == 1800
+    assert harness_pod(run, timeout_s=90.2)["spec"]["activeDeadlineSeconds"] == 91
+
+
+def test_task_image_overrides_the_harness_image() -> None:
+    run = parse_training_run(CLUSTER)
+    assert container(harness_pod(run)["spec"], "harness")["image"] == "ghcr.io/acme/swe-harness:1"
+    task = {"id": "t", "image": "ghcr.io/acme/special:2", "data": {}}
+    assert container(harness_pod(run, task=task)["spec"], "harness")["image"] == "ghcr.io/acme/special:2"
+
+
+def test_no_image_anywhere_names_spec_harness_image() -> None:
+    run = parse_training_run(MINIMAL)
+    with pytest.raises(ValueError, match=r"spec\.harness\.image.*set spec\.harness\.image"):
+        harness_pod(run, task={"id": "t", "data": {}})
+
+
+def test_task_travels_in_one_annotation_as_file_and_env() -> None:
+    run = parse_training_run(CLUSTER)
+    task = {"id": "t-7", "data": {"question": "ünïcode", "n": [1, 2]}}
+    pod = harness_pod(run, task=task)
+    annotations = pod["metadata"]["annotations"]
+    assert json.loads(annotations[naming.TASK_ANNOTATION]) == task
+    assert annotations[naming.ROLLOUT_ANNOTATION] == "swe-qwen-g000002-r003"
+    assert annotations[naming.ATTEMPT_ANNOTATION] == "1"
+    assert annotations[naming.POLICY_VERSION_ANNOTATION] == "4"
+    assert pod["metadata"]["name"] == naming.harness_pod_name("swe-qwen-g000002-r003", 1)
+    field = f"metadata.annotations['{naming.TASK_ANNOTATION}']"
+    (item,) = next(v for v in pod["spec"]["volumes"] if v["name"] == "task")["downwardAPI"]["items"]
+    assert item == {"path": "task.json", "fieldRef": {"fieldPath": field}}
+    harness = container(pod["spec"], "harness")
+    assert {"name": "task", "mountPath": "/etc/harnessrl", "readOnly": True} in harness["volumeMounts"]
+    variables = env_of(harness)
+    assert variables["HARNESSRL_TASK"] == {"fieldRef": {"fieldPath": field}}
+    assert variables["HARNESSRL_TASK_FILE"] == "/etc/harnessrl/task.json"
+    assert (variables["HARNESSRL_ROLLOUT_ID"], variables["HARNESSRL_ATTEMPT"]) == (
+        "swe-qwen-g000002-r003",
+        "1",
+    )
+
+
+def test_a_task_too_large_for_the_annotations_is_refused() -> None:
+    task = {"id": "big", "data": {"blob": "x" * (256 * 1024)}}
+    with pytest.raises(ValueError, match="256 KiB"):
+        harness_pod(parse_training_run(CLUSTER), task=task)
+
+
+def test_proxy_settings_mirror_the_local_runner() -> None:
+    pod = harness_pod(parse_training_run(CLUSTER))
+    proxy = env_of(container(pod["spec"], "proxy"))
+    assert json.loads(proxy["HARNESSRL_SAMPLING"]) == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4096}
+    assert proxy["HARNESSRL_UPSTREAMS"] == "http://swe-qwen-rollout:8000"
+    assert proxy["HARNESSRL_POLICY_VERSION"] == "4"
+    assert (proxy["HARNESSRL_RUN"], proxy["HARNESSRL_ROLLOUT_ID"], proxy["HARNESSRL_ATTEMPT"]) == (
+        "swe-qwen", "swe-qwen-g000002-r003", "1",
+    )  # fmt: skip
+    assert (proxy["HARNESSRL_PAUSE_MODE"], proxy["HARNESSRL_QUEUE_SIZE"]) == ("wait", "512")
+    assert proxy["HARNESSRL_MAX_BODY_BYTES"] == "67108864"
+    assert proxy["HARNESSRL_SPOOL_PATH"].startswith("/var/spool/harnessrl/")
+
+
+def test_sandbox_on_every_harness_pod_container() -> None:
+    pod = harness_pod(parse_training_run(CLUSTER))
+    spec = pod["spec"]
+    assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+    assert spec["runtimeClassName"] == "gvisor"
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    for item in [*spec["initContainers"], *spec["containers"]]:
+        security = item["securityContext"]
+        assert security["runAsNonRoot"] is True and security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert container(spec, "proxy")["securityContext"]["readOnlyRootFilesystem"] is True
+    assert "readOnlyRootFilesystem" not in container(spec, "harness")["securityContext"]
+    assert {"name": "tmp", "mountPath": "/tmp"} in container(spec, "harness")["volumeMounts"]
+    assert "runtimeClassName" not in harness_pod(parse_training_run(MINIMAL))["spec"]
+
+
+# --- the store -------------------------------------------------------------------------------------------------
+
+
+def test_store_secret_ref_reaches_proxy_and_learner_by_reference() -> None:
+    run = parse_training_run(CLUSTER)
+    ref = {"secretKeyRef": {"name": "harnessrl-db", "key": "url"}}
+    pod_spec = harness_pod(run)["spec"]
+    assert env_of(container(pod_spec, "proxy"))["HARNESSRL_STORE_URL"] == ref
+    assert "HARNESSRL_STORE_URL" not in env_of(container(pod_spec, "harness"))
+    job_spec = render_learner_job(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    assert env_of(container(job_spec, "learner"))["HARNESSRL_STORE_URL"] == ref
+    assert env_of(container(job_spec, "db-upgrade"))["HARNESSRL_STORE_URL"] == ref
+    assert container(job_spec, "db-upgrade")["command"] == ["harnessrl", "db", "upgrade"]
+    assert not any("secret" in arg or "postgres" in arg for arg in container(job_spec, "learner")["command"])
+    secret = render_run_secret(run, NAMESPACE, UID, CONFIG)
+    assert STORE_URL_KEY not in secret["data"]
+
+
+def test_default_store_is_the_operators_through_the_run_secret() -> None:
+    run = parse_training_run(MINIMAL)
+    secret = render_run_secret(run, NAMESPACE, UID, CONFIG)
+    assert base64.b64decode(secret["data"][STORE_URL_KEY]).decode() == CONFIG.store_url
+    ref = {"secretKeyRef": {"name": run_secret_name("minimal"), "key": STORE_URL_KEY}}
+    assert env_of(container(harness_pod(run)["spec"], "proxy"))["HARNESSRL_STORE_URL"] == ref
+    with pytest.raises(ValueError, match=r"spec\.store"):
+        render_run_children(run, NAMESPACE, UID, OperatorConfig(store_url=""))
+
+
+def test_learner_reads_the_run_from_the_secret(tmp_path: Path) -> None:
+    """The file ``harnessrl learn --spec`` reads is a valid TrainingRun equal to the run."""
+    run = parse_training_run(CLUSTER)
+    secret = render_run_secret(run, NAMESPACE, UID, CONFIG)
+    text = base64.b64decode(secret["data"][SPEC_KEY]).decode()
+    (tmp_path / SPEC_KEY).write_text(text)
+    assert validate_file(str(tmp_path / SPEC_KEY))[0] == 0
+    assert parse_training_run(json.loads(text)).spec == run.spec
+    job = render_learner_job(run, NAMESPACE, UID, CONFIG)
+    spec = job["spec"]["template"]["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "spec")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    command = container(spec, "learner")["command"]
+    mount = next(m for m in container(spec, "learner")["volumeMounts"] if m["name"] == "spec")
+    assert command[command.index("--spec") + 1] == f"{mount['mountPath']}/{SPEC_KEY}"
+
+
+# --- vLLM ------------------------------------------------------------------------------------------------------
+
+
+def vllm(run: TrainingRun) -> dict[str, Any]:
+    return render_rollout_deployment(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_hub_model_reads_its_token_from_the_secret() -> None:
+    run = VARIANTS["hub-model"]()
+    server = vllm(run)
+    assert server["args"][0] == "Qwen/Qwen3-8B"
+    assert server["args"][server["args"].index("--revision") + 1] == "main"
+    assert env_of(server)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "t"}}
+    assert "HF_HUB_OFFLINE" not in env_of(server)
+    assert {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"} in server["volumeMounts"]
+    job_spec = render_learner_job(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    download = container(job_spec, "model")
+    assert env_of(download)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "t"}}
+    command = container(job_spec, "learner")["command"]
+    assert command[command.index("--model") + 1] == env_of(download)["HARNESSRL_MODEL_DIR"]
+
+
+def test_model_on_a_claim_is_mounted_read_only() -> None:
+    run = parse_training_run(CLUSTER)
+    server = vllm(run)
+    assert server["args"][0] == "/models/qwen3-8b"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in server["volumeMounts"]
+    assert env_of(server)["HF_HUB_OFFLINE"] == "1"
+    volumes = render_rollout_deployment(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models"}} in volumes
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in volumes
+
+
+def test_checkpoints_are_read_by_vllm_where_the_learner_writes_them() -> None:
+    run = parse_training_run(CLUSTER)
+    assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": True} in vllm(run)["volumeMounts"]
+    job_spec = render_learner_job(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    learner = container(job_spec, "learner")
+    assert {"name": "checkpoints", "mountPath": "/checkpoints", "readOnly": False} in learner["volumeMounts"]
+    assert learner["command"][learner["command"].index("--output") + 1] == "/checkpoints/swe-qwen"
+
+
+def test_two_claims_at_one_path_are_refused() -> None:
+    def checkpoints_at_models(pvc: str) -> Callable[[dict[str, Any]], None]:
+        volume = {"pvc": pvc, "mountPath": "/models", "readOnly": False}
+        return lambda s: s["learner"].update(checkpointVolume=volume, checkpointDir="/models/ckpt")
+
+    other = variant(CLUSTER, checkpoints_at_models("other"))
+    with pytest.raises(ValueError, match=r"spec\.learner\.checkpointVolume\.mountPath.*spec\.model\.volume"):
+        render_rollout_deployment(other, NAMESPACE, UID, CONFIG)
+    same = variant(CLUSTER, checkpoints_at_models("models"))
+    job_spec = render_learner_job(same, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    claims = [m for m in container(job_spec, "learner")["volumeMounts"] if m["mountPath"] == "/models"]
+    assert claims == [{"name": "model", "mountPath": "/models", "readOnly": False}]
+
+
+def test_lora_enables_runtime_adapters_with_a_rank_vllm_accepts() -> None:
+    server = vllm(parse_training_run(CLUSTER))
+    args = server["args"]
+    assert "--enable-lora" in args and args[args.index("--max-lora-rank") + 1] == "64"
+    assert env_of(server)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    odd = vllm(variant(CLUSTER, lambda s: s["learner"]["lora"].update(rank=24)))["args"]
+    assert odd[odd.index("--max-lora-rank") + 1] == "32"
+    full = vllm(
+        variant(CLUSTER, lambda s: (s["weightSync"].update(method="reload"), s["learner"].pop("lora")))
+    )
+    assert "--enable-lora" not in full["args"] and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env_of(full)
+    with pytest.raises(ValueError, match=r"spec\.learner\.lora\.rank"):
+        vllm(variant(CLUSTER, lambda s: s["learner"]["lora"].update(rank=1000)))
+
+
+def test_vllm_command_and_env() -> None:
+    server = vllm(parse_training_run(CLUSTER))
+    assert server["command"] == ["vllm", "serve"]
+    args = server["args"]
+    for flag, value in [
+        ("--port", "8000"),
+        ("--served-model-name", "policy"),
+        ("--max-model-len", "32768"),
+        ("--tensor-parallel-size", "2"),
+        ("--host", "0.0.0.0"),
+    ]:
+        assert args[args.index(flag) + 1] == value
+    assert args[-1] == "--enable-prefix-caching"
+    assert env_of(server)["VLLM_SERVER_DEV_MODE"] == "1" and env_of(server)["VLLM_LOGGING_LEVEL"] == "INFO"
+    assert server["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+
+
+def test_gpus_only_when_asked_for() -> None:
+    server = vllm(parse_training_run(CLUSTER))
+    assert (
+        server["resources"]["limits"]["nvidia.com/gpu"]
+        == server["resources"]["requests"]["nvidia.com/gpu"]
+        == "2"
+    )
+    assert server["resources"]["requests"]["cpu"] == "8"
+    cpu = VARIANTS["cpu-no-policy"]()
+    assert "nvidia.com/gpu" not in json.dumps(render_run_children(cpu, NAMESPACE, UID, CONFIG))
+
+
+def test_vllm_probes_wait_for_the_model_not_the_http_server() -> None:
+    server = vllm(parse_training_run(CLUSTER))
+    startup = server["startupProbe"]
+    assert startup["httpGet"]["path"] == "/v1/models" and startup["periodSeconds"] == 10
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= CONFIG.provisioning_timeout_seconds
+    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert server["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_rollout_services() -> None:
+    run = parse_training_run(CLUSTER)
+    children = render_run_children(run, NAMESPACE, UID, CONFIG)
+    plain = by_kind(children, "Service", naming.rollout_name("swe-qwen"))["spec"]
+    headless = by_kind(children, "Service", naming.rollout_pods_name("swe-qwen"))["spec"]
+    selector = naming.selector("swe-qwen", naming.ROLLOUT)
+    assert plain["selector"] == headless["selector"] == selector
+    assert plain["ports"][0]["port"] == headless["ports"][0]["port"] == 8000
+    assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
+    deployment = by_kind(children, "Deployment")
+    assert deployment["spec"]["selector"]["matchLabels"] == selector
+    assert deployment["spec"]["replicas"] == 2
+
+
+# --- the learner -----------------------------------------------------------------------------------------------
+
+
+def test_learner_is_an_indexed_job_with_a_rendezvous_service() -> None:
+    run = parse_training_run(CLUSTER)
+    children = render_run_children(run, NAMESPACE, UID, CONFIG)
+    job, service = by_kind(children, "Job"), by_kind(children, "Service", naming.learner_name("swe-qwen"))
+    spec = job["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 2
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == service["metadata"]["name"] == job["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"] == naming.selector("swe-qwen", naming.LEARNER)
+    assert spec["template"]["metadata"]["labels"] == naming.labels("swe-qwen", naming.LEARNER)
+    learner = container(pod, "learner")
+    variables = env_of(learner)
+    assert variables["MASTER_ADDR"] == "swe-qwen-learner-0.swe-qwen-learner"
+    assert variables["MASTER_PORT"] == "29500" and variables["NNODES"] == "2"
+    assert variables["NODE_RANK"] == {
+        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}
+    }
+    command = learner["command"]
+    assert command[:3] == ["torchrun", "--nnodes=$(NNODES)", "--nproc-per-node=$(NPROC_PER_NODE)"]
+    assert variables["NPROC_PER_NODE"] == "8" and "--node-rank=$(NODE_RANK)" in command
+    assert (
+        command[command.index("--run") + 1] == "swe-qwen" and command[command.index("--steps") + 1] == "200"
+    )
+    assert command[command.index("--replica") + 1] == "http://swe-qwen-rollout:8000"
+    assert learner["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert learner["image"] == CONFIG.learner_image
+    image = variant(CLUSTER, lambda s: s["learner"].update(image="ghcr.io/acme/learner:9"))
+    assert (
+        container(render_learner_job(image, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"], "learner")[
+            "image"
+        ]
+        == "ghcr.io/acme/learner:9"
+    )
+
+
+# --- the NetworkPolicy -----------------------------------------------------------------------------------------
+
+
+def test_network_policy_none_creates_none() -> None:
+    run = VARIANTS["cpu-no-policy"]()
+    assert render_network_policy(run, NAMESPACE, UID, CONFIG) is None
+    assert "NetworkPolicy" not in [o["kind"] for o in render_run_children(run, NAMESPACE, UID, CONFIG)]
+
+
+def test_network_policy_custom_adds_the_egress_cidrs() -> None:
+    policy = render_network_policy(parse_training_run(CLUSTER), NAMESPACE, UID, CONFIG)
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"] == naming.selector("swe-qwen", naming.HARNESS)
+    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["ingress"] == []
+    egress = spec["egress"]
+    assert {
+        "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
+        "ports": [{"protocol": "TCP", "port": 443}],
+    } in egress
+    rollout = {"podSelector": {"matchLabels": naming.selector("swe-qwen", naming.ROLLOUT)}}
+    assert {"to": [rollout], "ports": [{"protocol": "TCP", "port": 8000}]} in egress
+    assert {"ports": [{"protocol": "TCP", "port": 5432}]} in egress
+    dns = next(rule for rule in egress if {"protocol": "UDP", "port": 53} in rule.get("ports", []))
+    assert dns["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+
+
+def test_network_policy_proxy_only_with_literal_addresses() -> None:
+    policy = render_network_policy(VARIANTS["upstreams"](), NAMESPACE, UID, CONFIG)
+    egress = policy["spec"]["egress"]
+    assert {
+        "to": [{"ipBlock": {"cidr": "10.1.2.3/32"}}],
+        "ports": [{"protocol": "TCP", "port": 8000}],
+    } in egress
+    assert {"ports": [{"protocol": "TCP", "port": 443}]} in egress
+    assert {
+        "to": [{"ipBlock": {"cidr": "10.9.8.7/32"}}],
+        "ports": [{"protocol": "TCP", "port": 6543}],
+    } in egress
+    assert not any("ipBlock" in str(rule) and "10.20" in str(rule) for rule in egress)
