@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -193,6 +194,7 @@ class RunController:
         self.store: TraceStore | None = None
         self.scheduler: RolloutScheduler | None = None
         self.applied_generation: int | None = None
+        self.wake = threading.Event()  # set by the watch when a pod ends: reconcile now, not at the interval
 
     # --- one pass -------------------------------------------------------------------------------------------
 

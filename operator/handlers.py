@@ -4,8 +4,9 @@
   from its watch streams and starts no other handler before they hold every existing object, so a restarted
   operator sees every pod it created before it decides anything (no LIST per reconcile, no false "lost"
   rollouts).
-- ``harness_pod_deleted`` tells the run's pod backend that a pod disappeared (the index forgets it).
-- ``run_daemon`` reconciles one run every ``RECONCILE_INTERVAL_S`` (level-based: each pass starts from the
+- ``harness_pod_event`` wakes the run's reconciler when a pod ends, and tells its pod backend when a pod
+  disappeared (the index forgets it).
+- ``run_daemon`` reconciles one run at least every ``RECONCILE_INTERVAL_S`` (level-based: each pass starts from the
   object, the indexes and the store), writes the status only when it changed, and posts an Event on every
   phase change. It returns when the run has finished; a restart reconciles finished runs once more.
 - ``run_deleted`` is the finalizer: it stops the scheduler (active attempts are cancelled in the store, their
@@ -86,13 +87,19 @@ def learner_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], **_: A
 
 
 @kopf.on.event("pods", labels={COMPONENT_LABEL: HARNESS, RUN_LABEL: kopf.PRESENT})
-def harness_pod_deleted(type: str, body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
-    if type != "DELETED":
-        return
+def harness_pod_event(type: str, body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
+    """Wakes the run's reconciler when a pod ends or goes (kopf updates the indexes before it calls this), so
+    a freed slot is refilled at once rather than at the next interval; a deletion is passed on to the pod
+    backend, which the index alone cannot tell."""
     controller = _controllers.get((namespace, _run_of(labels)))
     summary = summarize_pod(dict(body))
-    if controller is not None and summary is not None:
+    if controller is None or summary is None:
+        return
+    if type == "DELETED":
         controller.backend.pod_deleted(summary)
+        controller.wake.set()
+    elif summary.ended:
+        controller.wake.set()
 
 
 def _first(index: kopf.Index, key: tuple[str, str]) -> Any:
@@ -152,7 +159,8 @@ def run_daemon(
             if status["phase"] in (Phase.SUCCEEDED.value, Phase.FAILED.value):
                 _clean_up_after_ttl(controller, status, stopped)
                 return
-            stopped.wait(RECONCILE_INTERVAL_S)
+            controller.wake.wait(RECONCILE_INTERVAL_S)
+            controller.wake.clear()
     finally:
         with _lock:
             _controllers.pop(key, None)

@@ -246,7 +246,7 @@ def test_rbac_is_enforced_for_a_real_identity(kube: Cluster, kube_namespace: str
 
 def test_stage_annotations_in_the_module_are_the_ones_in_the_stage_file() -> None:
     stages = list(yaml.safe_load_all(STAGES_FILE.read_text()))
-    assert [s["kind"] for s in stages] == ["Stage"] * 6
+    assert [s["kind"] for s in stages] == ["Stage"] * 7
     text = STAGES_FILE.read_text()
     for annotation in (RUN_FOR, EXIT_CODE, REASON, WAITING_REASON):
         assert f'"{annotation}"' in text

@@ -70,6 +70,11 @@ class Cluster:
         return Pki(self.dir / "pki")
 
     @property
+    def audit_log(self) -> Path:
+        """The API server's audit log (JSON lines), written when the cluster was started with audit_users."""
+        return self.dir / "logs" / "audit.log"
+
+    @property
     def kubeconfig(self) -> Path:
         return self.dir / "admin.kubeconfig"
 
@@ -157,12 +162,14 @@ def start_cluster(
     port: int | None = None,
     attached: bool = True,
     benchmark: bool = False,
+    audit_users: Sequence[str] = (),
     log: Callable[[str], None] = print,
 ) -> Cluster:
     """Build (once) and start a control plane; raises :class:`ClusterError` with nothing left running.
 
     ``attached``: the processes die with this process (tests). ``benchmark``: lift the API server's
     in-flight limits and priority-and-fairness, so a benchmark measures the operator, not the throttle.
+    ``audit_users``: log the metadata of these users' requests to :attr:`Cluster.audit_log`.
     """
     binaries = ensure_binaries(log)
     directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="harnessrl-kube-"))
@@ -221,6 +228,25 @@ def start_cluster(
             "--disable-admission-plugins=TaintNodesByCondition",
             f"--cert-dir={directory / 'apiserver-certs'}",
         ]
+        if audit_users:
+            # Metadata of every request these users make, one JSON line each: how a benchmark counts one
+            # client's requests by verb (apiserver_request_total has no client label).
+            policy = directory / "audit-policy.yaml"
+            policy.write_text(
+                yaml.safe_dump(
+                    {
+                        "apiVersion": "audit.k8s.io/v1",
+                        "kind": "Policy",
+                        "omitStages": ["RequestReceived"],
+                        "rules": [{"level": "Metadata", "users": list(audit_users)}, {"level": "None"}],
+                    }
+                )
+            )
+            apiserver += [
+                f"--audit-policy-file={policy}",
+                f"--audit-log-path={cluster.audit_log}",
+                "--audit-log-format=json",
+            ]
         if benchmark:
             apiserver += [
                 "--max-requests-inflight=0",

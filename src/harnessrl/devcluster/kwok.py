@@ -11,7 +11,9 @@ there, unless annotations on the pod say otherwise — so a test or benchmark ch
 - ``kwok.harnessrl.io/waiting-reason: ImagePullBackOff`` — the pod never starts: it stays Pending with its
   containers waiting for that reason, as the kubelet reports a bad image or a missing Secret;
 - a first container with the image ``kwok.invalid/image-pull-backoff`` does the same with ImagePullBackOff
-  (for pods whose annotations a test does not write, e.g. pods an operator creates).
+  (for pods whose annotations a test does not write, e.g. pods an operator creates);
+- harness pods (``harnessrl.io/component=harness``) in the namespace ``harnessrl-bench`` end on their own,
+  exit 0, 1 to 5 s after they run (kwok's jitter): the operator benchmark's harnesses, which nobody plays.
 
 A pod being deleted is removed at once (there is no kubelet to confirm it). Nodes take kwok's own
 ``node-initialize`` stage (copied from its module when it is built) and become Ready. The stages are in
@@ -29,6 +31,7 @@ EXIT_CODE = "kwok.harnessrl.io/exit-code"
 REASON = "kwok.harnessrl.io/reason"
 WAITING_REASON = "kwok.harnessrl.io/waiting-reason"
 IMAGE_PULL_BACKOFF_IMAGE = "kwok.invalid/image-pull-backoff"
+BENCH_NAMESPACE = "harnessrl-bench"
 NODE_LABEL = ("type", "kwok")
 
 STAGES_FILE = Path(__file__).with_name("kwok-pod-stages.yaml")
