@@ -23,6 +23,7 @@ from typing import Any
 
 import kopf
 
+import harnessrl.operator.webhook  # noqa: F401 - the sidecar-injection webhook (off unless configured)
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.controller import Apis, RunController, Workloads
 from harnessrl.operator.metrics import METRICS
