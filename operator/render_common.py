@@ -91,6 +91,29 @@ class Claim:
     field: str
 
 
+MODEL_VOLUME = "model"
+CHECKPOINT_VOLUME = "checkpoints"
+
+
+def run_claims(run: TrainingRun, checkpoints_read_only: bool) -> list[Claim]:
+    """The model's claim (read-only) and the learner's checkpoint claim: the learner writes checkpoints,
+    vLLM only reads the ones weight sync hands it."""
+    spec = run.spec
+    claims = []
+    if spec.model.volume is not None:
+        claims.append(Claim(MODEL_VOLUME, spec.model.volume, True, "spec.model.volume"))
+    if spec.learner.checkpoint_volume is not None:
+        claims.append(
+            Claim(
+                CHECKPOINT_VOLUME,
+                spec.learner.checkpoint_volume,
+                checkpoints_read_only,
+                "spec.learner.checkpointVolume",
+            )
+        )
+    return claims
+
+
 def claim_volumes(claims: Iterable[Claim]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Pod volumes and container mounts for ``claims``.
 

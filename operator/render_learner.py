@@ -16,12 +16,12 @@ from typing import Any
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render_common import (
-    Claim,
     claim_volumes,
     container_resources,
     env,
     env_from_field,
     env_from_secret,
+    run_claims,
     upstream_roots,
 )
 from harnessrl.operator.render_secret import SPEC_KEY, run_secret_name, store_url_env
@@ -35,8 +35,6 @@ SPEC_DIR = "/etc/harnessrl/run"
 HUB_MODEL_DIR = f"{WORK_DIR}/model"
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 RESTARTS_PER_NODE = 3
-MODEL_VOLUME = "model"
-CHECKPOINT_VOLUME = "checkpoints"
 HUB_DOWNLOAD = (
     "import os\n"
     "from huggingface_hub import snapshot_download\n"
@@ -97,18 +95,6 @@ def learner_env(run: TrainingRun, config: OperatorConfig) -> list[dict[str, Any]
     ]
 
 
-def learner_claims(run: TrainingRun) -> list[Claim]:
-    spec = run.spec
-    claims = []
-    if spec.model.volume is not None:
-        claims.append(Claim(MODEL_VOLUME, spec.model.volume, True, "spec.model.volume"))
-    if spec.learner.checkpoint_volume is not None:
-        claims.append(
-            Claim(CHECKPOINT_VOLUME, spec.learner.checkpoint_volume, False, "spec.learner.checkpointVolume")
-        )
-    return claims
-
-
 def hub_download_container(run: TrainingRun, image: str, mounts: list[dict[str, Any]]) -> dict[str, Any]:
     hub = run.spec.model.hub
     variables = [env("HARNESSRL_HUB_ID", hub.id), env("HARNESSRL_MODEL_DIR", HUB_MODEL_DIR)]
@@ -142,7 +128,7 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
     name = run.metadata.name
     learner = run.spec.learner
     image = learner_image(run, config)
-    volumes, mounts = claim_volumes(learner_claims(run))
+    volumes, mounts = claim_volumes(run_claims(run, checkpoints_read_only=False))
     volumes += [
         {"name": "work", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},

@@ -16,18 +16,16 @@ from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render_common import (
     SERVED_MODEL_NAME,
-    Claim,
     claim_volumes,
     container_resources,
     env,
     env_from_secret,
     merge_env,
+    run_claims,
     spec_env,
 )
 from harnessrl.spec.models import TrainingRun
 
-MODEL_VOLUME = "model"
-CHECKPOINT_VOLUME = "checkpoints"
 HF_CACHE = "/root/.cache/huggingface"
 """Where vLLM keeps hub downloads (``HF_HOME`` of the image's root user); an emptyDir, so a replica
 downloads once per pod and the node's disk is returned when the pod goes."""
@@ -87,19 +85,6 @@ def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:
     return merge_env(ours, spec_env(spec.rollout.env))
 
 
-def rollout_claims(run: TrainingRun) -> list[Claim]:
-    """The model's claim and the learner's checkpoint claim, both read-only: vLLM only reads weights."""
-    spec = run.spec
-    claims = []
-    if spec.model.volume is not None:
-        claims.append(Claim(MODEL_VOLUME, spec.model.volume, True, "spec.model.volume"))
-    if spec.learner.checkpoint_volume is not None:
-        claims.append(
-            Claim(CHECKPOINT_VOLUME, spec.learner.checkpoint_volume, True, "spec.learner.checkpointVolume")
-        )
-    return claims
-
-
 def _http_probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
     return {
         "httpGet": {"path": path, "port": "http"},
@@ -118,7 +103,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     large in-place weight reload can keep the engine busy for tens of seconds.
     """
     spec = run.spec
-    _, mounts = claim_volumes(rollout_claims(run))
+    _, mounts = claim_volumes(run_claims(run, checkpoints_read_only=True))
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     if spec.model.hub is not None:
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
@@ -143,7 +128,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
 
 def rollout_volumes(run: TrainingRun) -> list[dict[str, Any]]:
     spec = run.spec
-    volumes, _ = claim_volumes(rollout_claims(run))
+    volumes, _ = claim_volumes(run_claims(run, checkpoints_read_only=True))
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
     if spec.model.hub is not None:
         volumes.append({"name": "hf-cache", "emptyDir": {}})

@@ -8,12 +8,12 @@ import json
 import os
 import socket
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kube_helpers import wait_for
 
 from harnessrl.devcluster import BuildError, Cluster, ClusterError, ensure_binaries, start_cluster
 from harnessrl.devcluster.build import KUBERNETES_VERSION
@@ -31,17 +31,6 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def get(kube: Cluster, *args: str) -> dict[str, Any]:
     return json.loads(kube.kubectl("get", *args, "-o", "json").stdout)
-
-
-def wait_for(what: str, check, timeout: float = 60.0, every: float = 0.2):
-    """Poll ``check`` until it returns a truthy value; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(every)
 
 
 def pod(name: str, annotations: dict[str, str] | None = None, **spec: Any) -> dict[str, Any]:

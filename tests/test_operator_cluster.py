@@ -9,6 +9,7 @@ POST to its proxy) and annotates the pod so kwok ends it with the exit code the 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import kube_helpers
 import pytest
 from kopf.testing import KopfRunner
 
@@ -31,6 +33,9 @@ from harnessrl.operator.naming import (
 from harnessrl.store import RolloutState, TraceStore
 
 pytestmark = pytest.mark.postgres
+
+# The operator provisions and schedules before anything shows: give each wait 90 s.
+wait_for = functools.partial(kube_helpers.wait_for, timeout=90.0)
 
 
 def training_run(name: str, store_url: str, **harness: Any) -> dict[str, Any]:
@@ -60,16 +65,6 @@ def training_run(name: str, store_url: str, **harness: Any) -> dict[str, Any]:
 
 def get(kube: Cluster, ns: str, *args: str) -> dict[str, Any]:
     return json.loads(kube.kubectl("get", "-n", ns, *args, "-o", "json").stdout)
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.3)
 
 
 def harness_pods(kube: Cluster, ns: str, run: str) -> list[dict[str, Any]]:

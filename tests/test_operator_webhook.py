@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import base64
 import copy
+import functools
 import json
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import kube_helpers
 import pytest
 from kopf.testing import KopfRunner
 
@@ -33,6 +34,9 @@ from harnessrl.operator.webhook import (
 )
 
 UNREACHABLE_STORE = "postgresql+psycopg://harnessrl@127.0.0.1:9/harnessrl"
+
+# The operator provisions and schedules before anything shows: give each wait 90 s.
+wait_for = functools.partial(kube_helpers.wait_for, timeout=90.0)
 
 
 def training_run(name: str, store: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -94,16 +98,6 @@ def proxies(pod: dict[str, Any]) -> list[dict[str, Any]]:
 
 def env_of(container: dict[str, Any]) -> dict[str, Any]:
     return {var["name"]: var.get("value", var.get("valueFrom")) for var in container.get("env") or []}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 90.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out after {timeout:.0f} s waiting for {what}"
-        time.sleep(0.3)
 
 
 def free_port() -> int:
