@@ -1,11 +1,11 @@
 """The kopf handlers: one WATCH per kind feeds in-memory indexes, one daemon per TrainingRun reconciles it.
 
-- ``harness_pods``, ``rollout_deployments``, ``learner_jobs`` are kopf indexes: kopf keeps them current
-  from its watch streams and starts no other handler before they hold every existing object, so a restarted
-  operator sees every pod it created before it decides anything (no LIST per reconcile, no false "lost"
-  rollouts).
-- ``harness_pod_event`` wakes the run's reconciler when a pod ends, and tells its pod backend when a pod
-  disappeared (the index forgets it).
+- harness pods come from one ``PodInformer`` per namespace (list, then watch; see ``pod_informer.py`` for why
+  not kopf): a run's reconciler starts only once it holds every existing pod, so a restarted operator sees
+  every pod it created before it decides anything (no LIST per reconcile, no false "lost" rollouts); a pod
+  that ends or goes wakes the run's reconciler at once.
+- ``rollout_deployments`` and ``learner_jobs`` are kopf indexes (a few objects per run), kept current by
+  kopf's watch; kopf starts no other handler before they hold every existing object.
 - ``run_daemon`` reconciles one run at least every ``RECONCILE_INTERVAL_S`` (level-based: each pass starts from the
   object, the indexes and the store), writes the status only when it changed, and posts an Event on every
   phase change. It returns when the run has finished; a restart reconciles finished runs once more.
@@ -28,7 +28,8 @@ from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.controller import Apis, RunController, Workloads
 from harnessrl.operator.metrics import METRICS
 from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, LEARNER, ROLLOUT, RUN_LABEL
-from harnessrl.operator.pods import summarize_pod
+from harnessrl.operator.pod_informer import PodInformer
+from harnessrl.operator.pods import PodSummary
 from harnessrl.operator.status import Observed, build_status, epoch, same_status
 from harnessrl.spec.models import GROUP, VERSION
 from harnessrl.spec.status import Phase, Reason
@@ -40,6 +41,7 @@ RECONCILE_INTERVAL_S = 1.0
 PLURAL = "trainingruns"
 
 _controllers: dict[tuple[str, str], RunController] = {}
+_informers: dict[str, PodInformer] = {}
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -71,12 +73,6 @@ def _run_of(labels: dict[str, str]) -> str:
     return labels.get(RUN_LABEL, "")
 
 
-@kopf.index("pods", labels={COMPONENT_LABEL: HARNESS, RUN_LABEL: kopf.PRESENT})
-def harness_pods(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
-    summary = summarize_pod(dict(body))
-    return {(namespace, _run_of(labels)): summary} if summary is not None else None
-
-
 @kopf.index("deployments", labels={COMPONENT_LABEL: ROLLOUT, RUN_LABEL: kopf.PRESENT})
 def rollout_deployments(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
     return {(namespace, _run_of(labels)): {"status": dict(body.get("status") or {})}}
@@ -87,20 +83,34 @@ def learner_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], **_: A
     return {(namespace, _run_of(labels)): {"status": dict(body.get("status") or {})}}
 
 
-@kopf.on.event("pods", labels={COMPONENT_LABEL: HARNESS, RUN_LABEL: kopf.PRESENT})
-def harness_pod_event(type: str, body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> None:
-    """Wakes the run's reconciler when a pod ends or goes (kopf updates the indexes before it calls this), so
-    a freed slot is refilled at once rather than at the next interval; a deletion is passed on to the pod
-    backend, which the index alone cannot tell."""
-    controller = _controllers.get((namespace, _run_of(labels)))
-    summary = summarize_pod(dict(body))
-    if controller is None or summary is None:
+def _informer(namespace: str) -> PodInformer:
+    """The namespace's harness-pod informer, started with its first run."""
+    with _lock:
+        informer = _informers.get(namespace)
+        if informer is None or not informer.is_alive():
+            informer = PodInformer(_state["apis"].core, namespace, _pod_changed)
+            informer.start()
+            _informers[namespace] = informer
+        return informer
+
+
+def _pod_changed(namespace: str, run: str, summary: PodSummary, deleted: bool) -> None:
+    """A pod ended or went: wake its run's reconciler so the freed slot is refilled at once; a deletion is
+    also passed to the pod backend, which the informer's current view alone cannot show."""
+    controller = _controllers.get((namespace, run))
+    if controller is None:
         return
-    if type == "DELETED":
+    if deleted:
         controller.backend.pod_deleted(summary)
-        controller.wake.set()
-    elif summary.ended:
-        controller.wake.set()
+    controller.wake.set()
+
+
+@kopf.on.cleanup()
+def stop_informers(**_: Any) -> None:
+    with _lock:
+        for informer in _informers.values():
+            informer.stop()
+        _informers.clear()
 
 
 def _first(index: kopf.Index, key: tuple[str, str]) -> Any:
@@ -116,7 +126,6 @@ def run_daemon(
     namespace: str,
     uid: str,
     body: kopf.Body,
-    harness_pods: kopf.Index,
     rollout_deployments: kopf.Index,
     learner_jobs: kopf.Index,
     **_: Any,
@@ -124,13 +133,17 @@ def run_daemon(
     from harnessrl.operator.render import render_harness_pod, render_run_children
 
     key = (namespace, name)
+    informer = _informer(namespace)
+    while not informer.synced.wait(RECONCILE_INTERVAL_S):  # every existing pod is known before any decision
+        if stopped:
+            return
     controller = RunController(
         namespace,
         name,
         uid,
         _state["apis"],
         _state["config"],
-        pods=lambda: list(harness_pods.get(key, [])),
+        pods=lambda: informer.pods(name),
         workloads=lambda: Workloads(_first(rollout_deployments, key), _first(learner_jobs, key)),
         renderers=(render_run_children, render_harness_pod),
         metrics=METRICS,

@@ -224,9 +224,10 @@ class PodBackend:
 
     def exits(self) -> list[HarnessExit]:
         ended: dict[tuple[str, int], HarnessExit] = {}
-        for key, why in self.gone.items():
+        # Snapshots: the watch thread adds tombstones while the reconciler reads them.
+        for key, why in list(self.gone.items()):
             ended[key] = HarnessExit(*key, None, why)
-        for key, why in self._refused.items():
+        for key, why in list(self._refused.items()):
             ended[key] = HarnessExit(*key, None, why)
         for pod in self.pods():
             if pod.key in self._released:
