@@ -249,6 +249,10 @@ class RunController:
             self.scheduler = RolloutScheduler(
                 store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks()
             )
+        else:
+            # harness.concurrency, timeoutSeconds and maxAttempts may change while the run exists
+            # (harnessrl.spec.changes); the next launches and settlements follow them.
+            self.scheduler.settings = SchedulerSettings.from_spec(self.name, self.run.spec)
         observed.store_ready, observed.store_message = True, "the trace store answers"
 
     def _store_url(self) -> str:

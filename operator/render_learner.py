@@ -122,8 +122,8 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
       the failure is not transient and the run fails (LearnerCrashed) instead of holding GPUs.
     - init containers: ``harnessrl db upgrade`` so the schema exists before any rank opens the store (safe
       from several pods at once), and for a hub model the download ``--model`` needs.
-    - the pod template is immutable once the Job exists: changing ``spec.learner`` of a running run needs the
-      Job deleted (the TrainingRun's other children follow the spec).
+    - the pod template is immutable once the Job exists, as ``spec.learner`` is once the run exists (the
+      CRD refuses a change, see ``harnessrl.spec.changes``).
     """
     name = run.metadata.name
     learner = run.spec.learner

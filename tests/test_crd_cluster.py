@@ -18,9 +18,10 @@ from test_crd import BAD_DOCUMENTS, EXAMPLES
 from test_spec_rules import CASES, MINIMAL, RANDOM_DOCS, python_paths
 
 from harnessrl.devcluster import Cluster
+from harnessrl.spec.changes import changeable_paths
 from harnessrl.spec.commands import validate_file
 from harnessrl.spec.crd import CRD_PATH, PRINTER_COLUMNS, _model_classes, build_crd
-from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.models import TrainingRun, TrainingRunSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 CRD_NAME = "trainingruns.harnessrl.io"
@@ -182,7 +183,7 @@ def test_get_prints_the_printer_columns_and_status_is_a_subresource(
     patched = json.loads(kube.kubectl("get", "tr", "rules", "-n", ns, "-o", "json").stdout)
     assert patched["metadata"]["generation"] == 1 and patched["status"]["step"] == 12
     # Status sent through the main resource is ignored; spec changes bump the generation.
-    patch(kube, ns, {"spec": {"learner": {"steps": 7}}, "status": {"step": 99}})
+    patch(kube, ns, {"spec": {"harness": {"concurrency": 7}}, "status": {"step": 99}})
     after = json.loads(kube.kubectl("get", "tr", "rules", "-n", ns, "-o", "json").stdout)
     assert after["metadata"]["generation"] == 2 and after["status"]["step"] == 12
 
@@ -203,3 +204,77 @@ def test_explain_shows_the_field_descriptions(kube: Cluster) -> None:
     for name in ("command", "tasks", "groupSize", "concurrency", "timeoutSeconds"):
         first_words = " ".join(harness["properties"][name]["description"].split()[:4])
         assert name in explained and first_words in " ".join(explained.split()), name
+
+
+# One change per fixed field of MINIMAL (merge patches; a None deletes). Fields unset in MINIMAL are set, which
+# is a change too.
+FIXED_CHANGES: dict[str, dict[str, Any]] = {
+    "spec.model": {"model": {"path": "/models/other"}},
+    "spec.rollout.image": {"rollout": {"image": "vllm/vllm-openai:v0.31.0"}},
+    "spec.rollout.maxTokens": {"rollout": {"maxTokens": 64}},
+    "spec.rollout.args": {"rollout": {"args": ["--seed", "1"]}},
+    "spec.harness.command": {"harness": {"command": ["python", "-m", "other"]}},
+    "spec.harness.image": {"harness": {"image": "example/harness:2"}},
+    "spec.harness.groupSize": {"harness": {"groupSize": 4}},
+    "spec.harness.tasks": {"harness": {"tasks": {"inline": [{"id": "t2"}]}}},
+    "spec.proxy": {"proxy": {"port": 8081}},
+    "spec.learner": {"learner": {"steps": 7}},
+    "spec.weightSync": {"weightSync": {"retries": 5}},
+    "spec.store": {"store": {"sqlite": {"path": "other.sqlite"}}},
+}
+CHANGEABLE_CHANGES: dict[str, dict[str, Any]] = {
+    "spec.rollout.replicas": {"rollout": {"replicas": 3}},
+    "spec.harness.concurrency": {"harness": {"concurrency": 2}},
+    "spec.harness.timeoutSeconds": {"harness": {"timeoutSeconds": 60}},
+    "spec.harness.maxAttempts": {"harness": {"maxAttempts": 4}},
+    "spec.suspend": {"suspend": True},
+    "spec.activeDeadlineSeconds": {"activeDeadlineSeconds": 3600},
+    "spec.ttlSecondsAfterFinished": {"ttlSecondsAfterFinished": 60},
+}
+
+
+def test_every_changeable_field_has_a_case() -> None:
+    assert set(CHANGEABLE_CHANGES) == set(changeable_paths(TrainingRunSpec))
+
+
+@pytest.mark.parametrize("path", sorted(FIXED_CHANGES))
+def test_a_fixed_field_cannot_change_once_the_run_exists(
+    kube: Cluster, kube_namespace: str, path: str
+) -> None:
+    ns = kube_namespace
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(MINIMAL))
+    before = json.loads(kube.kubectl("get", "tr", "rules", "-n", ns, "-o", "json").stdout)
+    refused = kube.kubectl(
+        "patch",
+        "tr",
+        "rules",
+        "-n",
+        ns,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": FIXED_CHANGES[path]}),
+        check=False,
+    )
+    assert refused.returncode != 0
+    assert f"{path}: Invalid value" in refused.stderr and "is fixed once the run exists" in refused.stderr, (
+        refused.stderr
+    )
+    assert "spec.rollout.replicas" in refused.stderr  # the message lists what may change
+    after = json.loads(kube.kubectl("get", "tr", "rules", "-n", ns, "-o", "json").stdout)
+    assert after["spec"] == before["spec"] and after["metadata"]["generation"] == 1
+
+
+def test_the_changeable_fields_change_and_bump_the_generation(kube: Cluster, kube_namespace: str) -> None:
+    ns = kube_namespace
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(MINIMAL))
+    for generation, (path, change) in enumerate(sorted(CHANGEABLE_CHANGES.items()), start=2):
+        patch(kube, ns, {"spec": change})
+        after = json.loads(kube.kubectl("get", "tr", "rules", "-n", ns, "-o", "json").stdout)
+        assert after["metadata"]["generation"] == generation, path
+        value = after["spec"]
+        for part in path.split(".")[1:]:
+            value = value[part]
+        expected = change
+        for part in path.split(".")[1:]:
+            expected = expected[part]
+        assert value == expected, path

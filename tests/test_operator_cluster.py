@@ -277,7 +277,7 @@ def test_pods_that_cannot_start_time_out_or_are_evicted_end_their_attempts(
         kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
 
 
-def test_suspend_starts_no_pods_and_resume_starts_them(
+def test_suspend_resume_and_changed_concurrency_and_replicas_act_on_the_running_run(
     kube: Cluster, kube_namespace: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns, run = kube_namespace, "pausable"
@@ -294,6 +294,16 @@ def test_suspend_starts_no_pods_and_resume_starts_them(
         kube.kubectl("patch", "tr", run, "-n", ns, "--type=merge", "-p", '{"spec": {"suspend": false}}')
         wait_for("pods after resume", lambda: len(harness_pods(kube, ns, run)) == 4)
         assert get(kube, ns, "tr", run)["status"]["phase"] == "Running"
+        # The changeable fields act on the running run: two more harness pods, a second vLLM replica.
+        change = {"spec": {"harness": {"concurrency": 6}, "rollout": {"replicas": 2}}}
+        kube.kubectl("patch", "tr", run, "-n", ns, "--type=merge", "-p", json.dumps(change))
+        wait_for("pods after raising concurrency", lambda: len(harness_pods(kube, ns, run)) == 6)
+        wait_for(
+            "a second vLLM replica",
+            lambda: get(kube, ns, "deployment", f"{run}-rollout")["spec"]["replicas"] == 2,
+        )
+        time.sleep(2)
+        assert len(harness_pods(kube, ns, run)) == 6
         kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
 
 

@@ -99,6 +99,8 @@ def cel_failures(doc: dict[str, Any]) -> dict[str, str]:
 
     def walk(node_schema: dict[str, Any], value: Any, loc: tuple) -> None:
         for rule in node_schema.get("x-kubernetes-validations", []):
+            if "oldSelf" in rule["rule"]:
+                continue  # a transition rule: the API server evaluates it on updates only
             program = _program(rule["rule"])
             try:
                 result = program.evaluate({"self": celpy.json_to_cel(_typed(node_schema, value))})
@@ -392,7 +394,7 @@ def test_rules_sit_in_the_crd_at_their_models_schema_node() -> None:
 
     def count(node: dict) -> None:
         nonlocal total
-        total += len(node.get("x-kubernetes-validations", []))
+        total += sum("oldSelf" not in rule["rule"] for rule in node.get("x-kubernetes-validations", []))
         for child in node.get("properties", {}).values():
             count(child)
         if isinstance(node.get("items"), dict):

@@ -31,6 +31,11 @@ class SpecModel(BaseModel):
     rules: ClassVar[tuple[Rule, ...]] = ()
     """Cross-field rules over this object; also emitted as CEL into the CRD at this object's schema."""
 
+    changeable: ClassVar[frozenset[str] | None] = None
+    """For the objects of a TrainingRun whose fields are fixed once it exists: the fields (Python names) that
+    may still change; every other field gets a CEL transition rule (``self.f == oldSelf.f``) in the CRD, see
+    ``harnessrl.spec.changes``. None: the object is compared as a whole by the object holding it."""
+
     @model_validator(mode="after")
     def _enforce_rules(self) -> Self:
         enforce(self, self.rules)

@@ -21,7 +21,8 @@ from pydantic.json_schema import GenerateJsonSchema
 from pydantic_core import core_schema
 
 from harnessrl.spec.base import SpecModel
-from harnessrl.spec.models import GROUP, KIND, VERSION, TrainingRun
+from harnessrl.spec.changes import changeable_paths, transition_rules
+from harnessrl.spec.models import GROUP, KIND, VERSION, TrainingRun, TrainingRunSpec
 
 PLURAL = "trainingruns"
 CRD_NAME = f"{PLURAL}.{GROUP}"
@@ -121,6 +122,7 @@ class _Structurizer:
     def __init__(self, schema: dict[str, Any], classes: dict[str, type[BaseModel]]):
         self.defs = schema.get("$defs", {})
         self.classes = classes
+        self.changeable_text = ", ".join(changeable_paths(TrainingRunSpec))
 
     def convert(self, node: dict[str, Any], model_name: str | None = None) -> dict[str, Any]:
         node = dict(node)
@@ -162,8 +164,11 @@ class _Structurizer:
             else:
                 out[key] = value
         model = self.classes.get(model_name) if model_name else None
-        if model is not None and issubclass(model, SpecModel) and model.rules:
-            out["x-kubernetes-validations"] = [rule.to_crd() for rule in model.rules]
+        if model is not None and issubclass(model, SpecModel):
+            validations = [rule.to_crd() for rule in model.rules]
+            validations += transition_rules(model, self.changeable_text)
+            if validations:
+                out["x-kubernetes-validations"] = validations
         return _ordered(out)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, WithJsonSchema, field_validator
 
@@ -159,3 +159,5 @@ class Harness(SpecModel):
     """Isolation settings."""
     resources: Resources = Field(default_factory=Resources)
     """Requests and limits of each harness container."""
+
+    changeable: ClassVar[frozenset[str] | None] = frozenset({"concurrency", "timeout_seconds", "max_attempts"})

@@ -6,7 +6,7 @@ that works on one machine (`harnessrl run`) and on a cluster.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -98,6 +98,8 @@ class Rollout(SpecModel):
     """Cap on completion tokens per call; unset leaves each call's own limit."""
     upstreams: list[HttpUrl] | None = Field(default=None, min_length=1)
     """Use these running OpenAI-compatible servers (base URLs ending in /v1) instead of starting replicas."""
+
+    changeable: ClassVar[frozenset[str] | None] = frozenset({"replicas"})
 
     rules = (
         Rule(
@@ -231,6 +233,10 @@ class TrainingRunSpec(SpecModel):
     """Fail the run (DeadlineExceeded) when it has run this long."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete the run's pods and services this long after it finishes (stored traces are kept)."""
+
+    changeable: ClassVar[frozenset[str] | None] = frozenset(
+        {"rollout", "harness", "suspend", "active_deadline_seconds", "ttl_seconds_after_finished"}
+    )
 
     rules = (
         Rule(
