@@ -1,0 +1,327 @@
+"""The Helm chart (charts/harnessrl) through the real helm v4 binary: lint, render, schema and the objects it makes.
+
+Every rendered built-in object must pass kubernetes-validate --strict for the oldest and newest Kubernetes the
+chart supports; the chart's CRD must be the generated one; its webhook configuration must be what the
+operator's own renderer makes; and what the Deployment passes to the operator (arguments, environment) must be
+accepted by the operator's real CLI and settings parsers. The install itself is in test_chart_cluster.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from harnessrl.devcluster.helm import HelmError, ensure_helm
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "harnessrl"
+ALL_OPTIONS = CHART / "ci" / "all-options-values.yaml"
+NAMESPACE = "harnessrl-system"
+KUBE_VERSIONS = ("1.30.0", "1.36.0")
+CERT_MANAGER, PROMETHEUS = "cert-manager.io/v1", "monitoring.coreos.com/v1"
+OPTIONAL_APIS = ("--api-versions", CERT_MANAGER, "--api-versions", PROMETHEUS)
+# Kinds from other projects' CRDs: kubernetes-validate has no schema for them.
+FOREIGN_KINDS = {"Issuer", "Certificate", "ServiceMonitor", "PodMonitor"}
+
+# name -> helm template arguments; together they render every template branch.
+RENDERINGS = {
+    "defaults": (),
+    "defaults-with-cert-manager-and-prometheus": OPTIONAL_APIS,
+    "all-options": ("-f", str(ALL_OPTIONS), *OPTIONAL_APIS),
+    "all-options-embedded-postgres-cert-manager": (
+        "-f", str(ALL_OPTIONS), "--set", "postgresql.enabled=true,webhook.certificates=cert-manager",
+        *OPTIONAL_APIS,
+    ),
+    "minimal": ("--set", "webhook.enabled=false,operator.metricsPort=0,monitoring.enabled=false"),
+}
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The cached helm binary (scripts/test.sh fetches it; fetched here when missing). No helm is a failure."""
+    try:
+        return ensure_helm()
+    except HelmError as error:
+        pytest.fail(f"no helm: {error}", pytrace=False)
+
+
+def run_helm(helm: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(helm), *args], capture_output=True, text=True, check=False, cwd=ROOT)
+    if check and result.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stderr}", pytrace=False)
+    return result
+
+
+def render(helm: Path, *args: str) -> list[dict[str, Any]]:
+    out = run_helm(helm, "template", "hrl", str(CHART), "--namespace", NAMESPACE, *args).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    found = by_kind(docs, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def test_helm_is_the_pinned_v4_and_a_second_call_downloads_nothing(helm: Path) -> None:
+    assert run_helm(helm, "version", "--template", "{{.Version}}").stdout == "v4.1.4"
+    before = helm.stat().st_mtime_ns
+    assert ensure_helm() == helm and helm.stat().st_mtime_ns == before
+
+
+def test_lint_strict_passes_for_defaults_and_all_options(helm: Path) -> None:
+    run_helm(helm, "lint", "--strict", str(CHART))
+    run_helm(helm, "lint", "--strict", str(CHART), "-f", str(ALL_OPTIONS))
+
+
+@pytest.mark.parametrize("rendering", RENDERINGS)
+def test_every_rendered_object_passes_kubernetes_validate_strict(helm: Path, rendering: str) -> None:
+    docs = render(helm, *RENDERINGS[rendering])
+    assert docs
+    for doc in docs:
+        if doc["kind"] in FOREIGN_KINDS:
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as error:
+                pytest.fail(f"{rendering}: {doc['kind']}/{doc['metadata']['name']} invalid for {version}: {error}")
+
+
+def test_a_validation_error_is_caught() -> None:
+    """The check above can fail: a misspelled container field is refused in strict mode."""
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+           "spec": {"containers": [{"name": "c", "image": "i", "imagePullPolicie": "Always"}]}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(pod, KUBE_VERSIONS[0], strict=True)
+
+
+def _leaves(value: Any, prefix: str = "") -> set[str]:
+    if isinstance(value, dict) and value:
+        return set().union(*(_leaves(v, f"{prefix}.{k}" if prefix else k) for k, v in value.items()))
+    return {prefix}
+
+
+def test_the_all_options_file_sets_every_documented_value_differently() -> None:
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    options = yaml.safe_load(ALL_OPTIONS.read_text())
+    # Leaves of the defaults (an empty map such as podAnnotations: {} is one leaf) must all be set.
+    missing = {leaf for leaf in _leaves(defaults) if not any(o == leaf or o.startswith(leaf + ".")
+                                                             for o in _leaves(options))}
+    assert not missing, f"charts/harnessrl/ci/all-options-values.yaml does not set {sorted(missing)}"
+    same = {leaf for leaf in _leaves(defaults) & _leaves(options) if _get(defaults, leaf) == _get(options, leaf)}
+    assert same == {"rbac.create", "serviceAccount.create", "webhook.enabled", "monitoring.enabled"}
+
+
+def _get(values: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        values = values[key]
+    return values
+
+
+def test_every_values_field_is_documented() -> None:
+    """Each key of values.yaml has a comment right above it, or sits inside a documented map (resources)."""
+    undocumented, documented_at = [], []  # documented_at: (indent, documented) of the enclosing keys
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    for number, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "-")) or ":" not in stripped:
+            continue
+        indent = len(line) - len(line.lstrip())
+        documented_at = [(level, ok) for level, ok in documented_at if level < indent]
+        ok = lines[number - 1].strip().startswith("#") or any(ok for _, ok in documented_at)
+        if not ok and not stripped.endswith(":"):
+            undocumented.append(stripped)
+        documented_at.append((indent, ok))
+    assert not undocumented, f"values.yaml fields without a comment: {undocumented}"
+
+
+@pytest.mark.parametrize(
+    ("setting", "field"),
+    [
+        ("operator.podCreatesPerSecond=fast", "/operator/podCreatesPerSecond"),
+        ("operator.metricsPort=http", "/operator/metricsPort"),
+        ("webhook.certificates=self-signed", "/webhook/certificates"),
+        ("webhook.enabled=yes-please", "/webhook/enabled"),
+        ("postgresql.persistence.size=lots", "/postgresql/persistence/size"),
+        ("operator.watchNamespaces[0]=Not_A_Namespace", "/operator/watchNamespaces/0"),
+        ("operator.replicas=2", "/operator"),  # an unknown field (standalone kopf runs one replica)
+        ("image.digest=latest", "/image/digest"),
+        ("monitoring.interval=often", "/monitoring/interval"),
+    ],
+)
+def test_wrong_values_are_refused_naming_the_field(helm: Path, setting: str, field: str) -> None:
+    result = run_helm(helm, "template", "hrl", str(CHART), "--set", setting, check=False)
+    assert result.returncode != 0, f"--set {setting} was accepted"
+    assert f"at '{field}'" in result.stderr, result.stderr
+
+
+def test_an_external_store_needs_its_secret_named(helm: Path) -> None:
+    result = run_helm(helm, "template", "hrl", str(CHART), "--set", "postgresql.enabled=false", check=False)
+    assert result.returncode != 0 and "store.existingSecret" in result.stderr, result.stderr
+    result = run_helm(helm, "template", "hrl", str(CHART), "--set", "webhook.certificates=cert-manager",
+                      check=False)
+    assert result.returncode != 0 and "cert-manager.io/v1" in result.stderr, result.stderr
+
+
+def test_the_charts_crd_is_the_generated_one() -> None:
+    name = "trainingruns.harnessrl.io.yaml"
+    assert (CHART / "crds" / name).read_bytes() == (ROOT / "crds" / name).read_bytes(), (
+        f"charts/harnessrl/crds/{name} differs from crds/{name}: cp crds/{name} charts/harnessrl/crds/"
+    )
+
+
+def test_the_webhook_configuration_is_the_operators_own(helm: Path) -> None:
+    from harnessrl.operator.webhook import render_mutating_webhook_configuration
+
+    docs = render(helm)
+    chart = one(docs, "MutatingWebhookConfiguration")
+    service = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"].endswith("-webhook"))
+    ca_bundle = chart["webhooks"][0]["clientConfig"]["caBundle"]
+    target = {"namespace": NAMESPACE, "name": service["metadata"]["name"], "port": 443}
+    expected = render_mutating_webhook_configuration(target, ca_bundle, chart["metadata"]["name"])
+    assert chart["webhooks"] == expected["webhooks"]
+    assert service["spec"]["ports"][0]["port"] == 443
+
+
+def test_cert_manager_injects_the_ca_instead_of_a_generated_bundle(helm: Path) -> None:
+    docs = render(helm, "--api-versions", CERT_MANAGER)
+    config = one(docs, "MutatingWebhookConfiguration")
+    assert "caBundle" not in config["webhooks"][0]["clientConfig"]
+    issued = [c for c in by_kind(docs, "Certificate") if not c["spec"].get("isCA")]
+    assert config["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/{issued[0]['metadata']['name']}"
+    )
+    assert not [s for s in by_kind(docs, "Secret") if s["type"] == "kubernetes.io/tls"]
+
+
+def test_the_generated_certificate_is_signed_by_the_bundle_for_the_service_name(helm: Path) -> None:
+    from cryptography import x509
+
+    docs = render(helm)
+    tls = next(s for s in by_kind(docs, "Secret") if s["type"] == "kubernetes.io/tls")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    bundle = one(docs, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]["caBundle"]
+    assert base64.b64decode(bundle) == base64.b64decode(tls["data"]["ca.crt"])
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"hrl-harnessrl-webhook.{NAMESPACE}.svc" in names
+    assert cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC) > datetime.timedelta(days=3000)
+
+
+def _containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    out = []
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            pod = doc["spec"]["template"]["spec"]
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                out.append((f"{doc['kind']}/{container['name']}", pod, container))
+    return out
+
+
+@pytest.mark.parametrize("rendering", ["defaults", "all-options-embedded-postgres-cert-manager"])
+def test_every_container_is_non_root_read_only_with_resources(helm: Path, rendering: str) -> None:
+    docs = render(helm, *RENDERINGS[rendering])
+    containers = _containers(docs)
+    assert {name for name, _, _ in containers} == {
+        "Deployment/db-upgrade", "Deployment/operator", "StatefulSet/postgresql"
+    }
+    for name, pod, container in containers:
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True, name
+        assert context["allowPrivilegeEscalation"] is False and context["capabilities"]["drop"] == ["ALL"], name
+        assert container["resources"]["requests"] and container["resources"]["limits"]["memory"], name
+
+
+def test_the_operator_deployment_speaks_the_operators_real_cli_and_settings(helm: Path) -> None:
+    """Arguments through the real click parser of `harnessrl`, environment through the real settings parsers:
+    a flag or variable the operator does not know fails here, not in a crash-looping pod."""
+    from harnessrl.cli import main
+    from harnessrl.operator.config import OperatorConfig
+    from harnessrl.operator.webhook import WebhookSettings
+
+    docs = render(helm, *RENDERINGS["all-options"])
+    deployment = one(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    operator = next(c for c in pod["containers"] if c["name"] == "operator")
+    context = main.make_context("harnessrl", list(operator["args"]))
+    command = main.get_command(context, context.protected_args[0])
+    params = command.make_context("operator", list(operator["args"][1:])).params
+    assert params["namespaces"] == ("team-a", "team-b")
+    assert params["metrics_port"] == 9191 and params["liveness"] == "http://0.0.0.0:8181/healthz"
+    probe_port = operator["livenessProbe"]["httpGet"]["port"]
+    assert next(p for p in operator["ports"] if p["name"] == probe_port)["containerPort"] == 8181
+
+    plain = {var["name"]: var["value"] for var in operator["env"] if "value" in var}
+    config = OperatorConfig.from_env(plain)
+    assert config.pod_creates_per_second == 5.5 and config.provisioning_timeout_seconds == 600
+    assert config.proxy_image == "registry.example.com/harnessrl/proxy:0.1.0-rc1"
+    assert config.learner_image == "registry.example.com/harnessrl/learner:0.1.0-rc1"
+    store = next(var for var in operator["env"] if var["name"] == "HARNESSRL_OPERATOR_STORE_URL")
+    assert store["valueFrom"]["secretKeyRef"] == {"name": "external-store", "key": "dsn"}
+    unknown = {name for name in plain if name.startswith("HARNESSRL_OPERATOR_")} - {
+        f"HARNESSRL_OPERATOR_{field.upper()}" for field in OperatorConfig.__dataclass_fields__
+    }
+    assert not unknown, f"the chart sets variables OperatorConfig does not read: {unknown}"
+    webhook = WebhookSettings.from_env(plain)
+    assert webhook is not None and webhook.port == 10443 and webhook.configuration is None
+    mounts = {m["mountPath"] for m in operator["volumeMounts"]}
+    assert str(Path(webhook.certfile).parent) in mounts
+
+    init = pod["initContainers"][0]
+    context = main.make_context("harnessrl", list(init["args"]))
+    group = main.get_command(context, "db")
+    assert group.get_command(context, init["args"][1]) is not None, init["args"]
+    assert init["env"][0]["name"] == "HARNESSRL_STORE_URL"  # `harnessrl db upgrade --url`'s default
+
+
+def test_the_embedded_store_url_points_at_the_postgresql_service(helm: Path) -> None:
+    from sqlalchemy.engine import make_url
+
+    docs = render(helm, "--set", "postgresql.password=p@ss:w/rd")
+    secret = next(s for s in by_kind(docs, "Secret") if s["metadata"]["name"] == "hrl-harnessrl-postgresql")
+    url = make_url(base64.b64decode(secret["data"]["url"]).decode())
+    assert url.password == "p@ss:w/rd" and url.drivername == "postgresql+psycopg"
+    service = next(d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "hrl-harnessrl-postgresql")
+    assert url.host == f"{service['metadata']['name']}.{NAMESPACE}.svc" and url.port == 5432
+    statefulset = one(docs, "StatefulSet")
+    assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+
+
+def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: Path) -> None:
+    without = render(helm)
+    assert not by_kind(without, "ServiceMonitor") and not by_kind(without, "PodMonitor")
+    with_api = render(helm, "--api-versions", PROMETHEUS)
+    monitor = one(with_api, "ServiceMonitor")
+    metrics = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-metrics"))
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= metrics["metadata"]["labels"].items()
+    webhook = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-webhook"))
+    assert not selector.items() <= webhook["metadata"]["labels"].items()
+    assert one(with_api, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_watched_namespaces_bind_workload_rights_only_there(helm: Path) -> None:
+    docs = render(helm, "--set", "operator.watchNamespaces={team-a,team-b}")
+    assert sorted(b["metadata"]["namespace"] for b in by_kind(docs, "RoleBinding")) == ["team-a", "team-b"]
+    cluster_bindings = by_kind(docs, "ClusterRoleBinding")
+    assert [b["roleRef"]["name"] for b in cluster_bindings] == ["hrl-harnessrl-cluster"]
+    cluster_role = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"] == "hrl-harnessrl-cluster")
+    assert {res for rule in cluster_role["rules"] for res in rule["resources"]} == {
+        "customresourcedefinitions", "namespaces"
+    }
