@@ -40,6 +40,7 @@ def test_a_wrong_store_url_is_one_line(tiny: Path, tmp_path: Path):
     (["--loss-aggregation", "seq-mean-token-sum-norm"], "--max-row-tokens"),
     (["--lr", "0"], "--lr"),
     (["--zero-stage", "4"], "--zero-stage"),
+    (["--mini-batches", "0"], "--mini-batches"),
 ])
 def test_bad_settings_name_the_option(tiny: Path, tmp_path: Path, args: list[str], names: str):
     proc = learn("--store", f"sqlite:///{tmp_path / 's.db'}", "--run", "r", "--model", str(tiny),
@@ -51,9 +52,9 @@ def test_bad_settings_name_the_option(tiny: Path, tmp_path: Path, args: list[str
 def test_spec_owns_the_algorithm_flags(tiny: Path, tmp_path: Path):
     spec = Path(__file__).resolve().parents[1] / "examples" / "vowels" / "trainingrun.yaml"
     proc = learn("--spec", str(spec), "--store", f"sqlite:///{tmp_path / 's.db'}", "--model", str(tiny),
-                 "--output", str(tmp_path / "out"), "--lr", "0.1", "--zero-stage", "3")
+                 "--output", str(tmp_path / "out"), "--lr", "0.1", "--zero-stage", "3", "--mini-batches", "2")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--lr, --zero-stage: set in the TrainingRun's spec.learner" in proc.stderr
+    assert "--lr, --zero-stage, --mini-batches: set in the TrainingRun's spec.learner" in proc.stderr
 
 
 def test_a_bad_spec_names_its_problems(tiny: Path, tmp_path: Path):

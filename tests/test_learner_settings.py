@@ -6,7 +6,9 @@ from pathlib import Path
 
 import yaml
 
+from harnessrl.spec.learner import Learner
 from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.problems import validate_document
 from harnessrl.trainer.learner import LearnerSettings
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "trainingrun-cluster.yaml"
@@ -33,3 +35,23 @@ def test_the_cluster_example_becomes_learner_settings(tmp_path: Path):
     assert settings.max_row_tokens == learner.rows.max_row_tokens
     assert settings.pause_mode == spec.proxy.pause.mode
     assert settings.sync_tries == spec.weight_sync.retries + 1
+    assert settings.mini_batches == learner.mini_batches
+    assert settings.loss.rollout_kl_coef == learner.algorithm.rollout_kl_coef
+
+
+def test_mini_batches_and_the_rollout_kl_penalty_come_from_the_spec(tmp_path: Path):
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["learner"]["miniBatches"] = 4
+    doc["spec"]["learner"]["algorithm"]["rolloutKlCoef"] = 0.05
+    spec = TrainingRun.model_validate(doc).spec
+    settings = LearnerSettings.from_spec(spec, run="r", model_dir=tmp_path, output_dir=tmp_path)
+    assert settings.mini_batches == 4 and settings.loss.rollout_kl_coef == 0.05
+    assert Learner().mini_batches == 1  # the default: one update per step, as before mini-batches existed
+
+
+def test_the_old_kl_field_points_to_its_new_name():
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["learner"]["algorithm"]["klCoef"] = 0.05
+    (problem,) = validate_document(doc)
+    assert problem.path == "spec.learner.algorithm.klCoef"
+    assert "rolloutKlCoef" in problem.message

@@ -39,7 +39,8 @@ def trained(store: TraceStore) -> TraceStore:
     store.create_rollout("r", "c", 0, rollout_id="c0")
     store.transition("c0", 0, RolloutState.RUNNING, policy_version=2)
     ledger = LearnerLedger(store, "r")
-    ledger.commit(1, "/ckpt/v1", {"loss": 0.5, "grad_norm": 1.25}, [("a0", 0), ("a1", 0), ("a2", 0)])
+    ledger.commit(1, "/ckpt/v1", {"loss": 0.5, "grad_norm": 1.25, "clip_frac": 0.125},
+                  [("a0", 0), ("a1", 0), ("a2", 0)])
     ledger.commit(2, "/ckpt/v2", {"loss": 0.25}, [("b0", 0), ("b1", 0)])
     return store
 
@@ -67,6 +68,13 @@ def test_table_and_png(trained: TraceStore, tmp_path: Path) -> None:
     console.print(summary_table(summary))
     text = console.export_text()
     assert "0.200" in text and "0.700" in text and "1.250" in text and "running 1" in text
+    lines = text.splitlines()
+    header = next(line for line in lines if "reward mean" in line)
+    columns = [c.strip() for c in header.split("┃") if c.strip()]
+    # the fraction of generated tokens the loss clipped, per step (what `harnessrl status` prints too)
+    clip = columns.index("clip")
+    rows = [[c.strip() for c in line.split("│") if c.strip()] for line in lines if line.strip().startswith("│")]
+    assert [(row[0], row[clip]) for row in rows] == [("1", "0.125"), ("2", "-")]
 
     png = write_reward_curve(summary, tmp_path / "curve" / "reward.png")
     assert png is not None

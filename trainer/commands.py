@@ -24,7 +24,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
 # Flags that --spec replaces: the algorithm and engine settings come from the TrainingRun instead.
 SPEC_OWNED = ("tasks_per_step", "group_size", "lr", "zero_stage", "micro_batch_tokens", "gradient_clip",
               "gradient_checkpointing", "lora_rank", "lora_alpha", "loss", "loss_aggregation", "advantage",
-              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints")
+              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints", "mini_batches")
 
 
 def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **overrides: object):
@@ -64,6 +64,9 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.option("--tasks-per-step", default=8, show_default=True, type=click.IntRange(min=1))
 @click.option("--group-size", default=8, show_default=True, type=click.IntRange(min=1),
               help="Rollouts per task; a task's group is trained once all of them finished.")
+@click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Optimizer updates per step, each on a part of its rollouts, all clipped against the weights "
+                   "at the start of the step (1: one update, where the ratio is 1 and nothing clips).")
 @click.option("--lr", default=1.0e-6, show_default=True, type=float, callback=_positive)
 @click.option("--zero-stage", default=2, show_default=True, type=click.IntRange(0, 3))
 @click.option("--micro-batch-tokens", default=32768, show_default=True, type=click.IntRange(min=2))
@@ -80,7 +83,9 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
               help="Leave out rollouts more than this many versions old (default: no limit).")
 @click.option("--row-mode", default="merge", show_default=True, type=click.Choice(["merge", "transition"]))
 @click.option("--max-row-tokens", default=None, type=click.IntRange(min=1))
-@click.option("--replica", "replicas", multiple=True, help="vLLM base URL to sync weights to (repeatable).")
+@click.option("--replica", "replicas", multiple=True,
+              help="vLLM base URL to sync weights to, or dns://NAME:PORT for every address NAME resolves to at "
+                   "each sync (a headless Service); repeatable.")
 @click.option("--proxy", "proxies", multiple=True, help="Proxy base URL to pause during syncs (repeatable).")
 @click.option("--keep-checkpoints", default=3, show_default=True, type=click.IntRange(min=1))
 @click.option("--wait-timeout", default=None, type=float, callback=_positive,
@@ -90,7 +95,7 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.pass_context
 def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, run: str | None, model_dir: Path,
                   output_dir: Path, steps: int | None, tasks_per_step: int,
-                  group_size: int, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
+                  group_size: int, mini_batches: int, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                   gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                   loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
                   max_row_tokens: int | None, replicas: tuple[str, ...], proxies: tuple[str, ...],
@@ -112,7 +117,8 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
         raise click.UsageError("give --run NAME (or --spec FILE, whose metadata.name is the run)")
     else:
         settings = _settings_from_flags(
-            run=run, steps=steps or 100, tasks_per_step=tasks_per_step, group_size=group_size, lr=lr,
+            run=run, steps=steps or 100, tasks_per_step=tasks_per_step, group_size=group_size,
+            mini_batches=mini_batches, lr=lr,
             zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens, gradient_clip=gradient_clip,
             gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank, lora_alpha=lora_alpha, loss=loss,
             loss_aggregation=loss_aggregation, advantage=advantage, max_staleness=max_staleness,
@@ -120,7 +126,8 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
     _run_learner(settings, store_url)
 
 
-def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_size: int, lr: float,
+def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_size: int, mini_batches: int,
+                         lr: float,
                          zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                          gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                          loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
@@ -135,7 +142,7 @@ def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_siz
                                  param_hint="--loss-aggregation")
     try:
         return LearnerSettings(
-            run=run, steps=steps, tasks_per_step=tasks_per_step,
+            run=run, steps=steps, tasks_per_step=tasks_per_step, mini_batches=mini_batches,
             group_size=group_size, row_mode=row_mode, max_row_tokens=max_row_tokens,
             engine=EngineSettings(
                 zero_stage=zero_stage, lr=lr, gradient_clip=gradient_clip, micro_batch_tokens=micro_batch_tokens,

@@ -15,6 +15,13 @@ the checkpoint. What makes a crash at any point safe:
 Step ``n`` produces policy version ``n``; version 0 is the base model. A step whose rollouts give no trainable
 token (all groups had equal rewards, say) still consumes them and writes a version with unchanged weights,
 so the invariant holds and the rollouts are not claimed again.
+
+A step makes ``mini_batches`` optimizer updates (decoupled PPO, see ``losses``): rank 0 splits the step's
+rollouts into that many parts and weights each part's tokens as a whole batch of its own; every rank first
+scores the rows of the parts after the first with the step's starting weights (one no-grad forward: the "old"
+log-probs), then trains part after part. The first part needs no such pass: its update's own forward runs on
+those weights. ACPO's clip widths are one statistic per update over all its micro-batches and ranks, from one
+more no-grad pass before each update after the first (in the first, every ratio is 1).
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -34,14 +42,27 @@ from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
 from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
-from harnessrl.trainer.engine import EngineSettings, MicroBatch, PolicyEngine, TrainRow, shard_rows
-from harnessrl.trainer.losses import LossConfig, aggregation_weights, policy_loss
+from harnessrl.trainer.engine import (
+    EngineSettings,
+    MicroBatch,
+    PolicyEngine,
+    StepResult,
+    TrainRow,
+    shard_rows,
+)
+from harnessrl.trainer.losses import (
+    LossConfig,
+    acpo_bin_stats,
+    acpo_clip_widths,
+    aggregation_weights,
+    policy_loss,
+)
 from harnessrl.trainer.metrics import LearnerMetrics
 from harnessrl.trainer.rows import Row, RowMode, RowStats, merge_calls_into_rows
 from harnessrl.trainer.weight_sync import (
     ProxyAdminGate,
+    ReplicaSet,
     SyncReport,
-    VllmReplica,
     WeightSync,
     check_inplace_reload,
 )
@@ -49,7 +70,7 @@ from harnessrl.trainer.weight_sync import (
 log = logging.getLogger(__name__)
 
 # losses.policy_loss reports these as sums over the micro-batch; every other metric is a mean over its tokens
-_SUMMED_LOSS_METRICS = frozenset({"loss", "pg_loss", "kl_loss", "tokens"})
+_SUMMED_LOSS_METRICS = frozenset({"loss", "pg_loss", "rollout_kl_loss", "tokens"})
 
 
 @dataclass(frozen=True)
@@ -69,10 +90,7 @@ class LearnerSettings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
-    # "learner": ratios against the learner's own log-probs before the update (one update per batch, so they
-    # come from the same forward pass) and truncated IS against the rollout log-probs; "rollout": ratios
-    # directly against the rollout log-probs (clipping then also bounds staleness and engine mismatch).
-    ratio_against: Literal["learner", "rollout"] = "learner"
+    mini_batches: int = 1  # optimizer updates per step (spec.learner.miniBatches); 1: one on-policy update
     keep_checkpoints: int = 3
     replicas: tuple[str, ...] = ()  # vLLM base URLs
     proxies: tuple[str, ...] = ()  # proxy base URLs (admin API)
@@ -86,11 +104,9 @@ class LearnerSettings:
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("steps", "tasks_per_step", "group_size", "keep_checkpoints", "sync_tries"):
+        for name in ("steps", "tasks_per_step", "group_size", "keep_checkpoints", "sync_tries", "mini_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
-        if self.ratio_against not in ("learner", "rollout"):
-            raise ValueError(f"ratio_against: {self.ratio_against!r}; use 'learner' or 'rollout'")
 
     @classmethod
     def from_spec(cls, spec: Any, *, run: str, model_dir: Path, output_dir: Path, **overrides: Any) -> LearnerSettings:
@@ -122,6 +138,7 @@ class LearnerSettings:
             "row_mode": learner.rows.mode, "max_prompt_tokens": learner.rows.max_prompt_tokens,
             "max_row_tokens": learner.rows.max_row_tokens, "engine": engine,
             "advantage": AdvantageConfig.from_spec(learner), "loss": loss,
+            "mini_batches": learner.mini_batches,
             "keep_checkpoints": learner.keep_checkpoints, "pause_mode": spec.proxy.pause.mode,
             "sync_tries": spec.weight_sync.retries + 1,
         }
@@ -146,11 +163,28 @@ class LearnerHooks:
 
 @dataclass
 class _Plan:
-    """What rank 0 sends every rank for one step."""
+    """What rank 0 sends every rank for one step: this rank's rows of each mini-batch (one update each)."""
 
     step: int
-    rows: list[TrainRow]
+    mini_batches: list[list[TrainRow]]
     empty: bool
+
+
+def split_mini_batches(keys: Sequence[Hashable], count: int) -> list[list[int]]:
+    """Row indices of each mini-batch, for rows owned by the rollouts ``keys`` (one key per row).
+
+    Rollouts, in the order they first appear, go to ``min(count, rollouts)`` parts of nearly equal rollout
+    count (contiguous, so with rollouts in claim order a task group stays together where the counts allow); a
+    rollout's rows always share a part, so per-rollout aggregation sees the whole rollout in one update.
+    """
+    order: dict[Hashable, int] = {}
+    for key in keys:
+        order.setdefault(key, len(order))
+    parts = min(count, len(order))
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i, key in enumerate(keys):
+        out[order[key] * parts // len(order)].append(i)
+    return out
 
 
 class Learner:
@@ -230,18 +264,15 @@ class Learner:
         info: dict[str, Any] = {}
         if self.main:
             assert claim is not None
-            plan_rows, info = self._build_batch(claim)
-            shards = shard_rows(plan_rows, self.dist.world_size)
-            payload = [_Plan(step, shard, not plan_rows) for shard in shards]
+            parts, info = self._build_batch(claim)
+            shards = [shard_rows(part, self.dist.world_size) for part in parts]
+            payload = [_Plan(step, [s[rank] for s in shards], not parts) for rank in range(self.dist.world_size)]
         mine: list[Any] = [None]
         torch.distributed.scatter_object_list(mine, payload if self.main else None, src=0)
         plan: _Plan = mine[0]
 
         train_started = time.perf_counter()
-        if plan.empty:
-            result = None
-        else:
-            result = self.engine.train_step(plan.rows, self._loss_fn)
+        result = None if plan.empty else self._train(plan.mini_batches)
         train_seconds = time.perf_counter() - train_started
 
         save_started = time.perf_counter()
@@ -301,8 +332,9 @@ class Learner:
                 return claim if self.main else StepClaim((), ())
             time.sleep(self.settings.poll_interval_s)
 
-    def _build_batch(self, claim: StepClaim) -> tuple[list[TrainRow], dict[str, Any]]:
-        """Rows of the claimed attempts with advantages and step-global loss weights (rank 0)."""
+    def _build_batch(self, claim: StepClaim) -> tuple[list[list[TrainRow]], dict[str, Any]]:
+        """Rows of the claimed attempts with advantages, split into mini-batches, each with loss weights
+        normalised over the whole mini-batch (rank 0)."""
         store = self.ledger.store if self.ledger else None
         assert store is not None
         s = self.settings
@@ -329,27 +361,31 @@ class Learner:
                     if row.num_generated:
                         kept.append(row)
                         values.append(adv.advantages[key])
-        weights = self._weights(kept)
-        train_rows = [
-            TrainRow(
-                index=i, key=(row.rollout_id, row.attempt), input_ids=row.input_ids, loss_mask=row.loss_mask,
-                rollout_logprobs=row.rollout_logprobs,
-                advantages=row.loss_mask.astype(np.float32) * np.float32(value), weights=w,
-                on_policy=self._on_policy(row),
-            )
-            for i, (row, value, w) in enumerate(zip(kept, values, weights))
-        ]
+        parts: list[list[TrainRow]] = []
+        for members in split_mini_batches([(row.rollout_id, row.attempt) for row in kept], s.mini_batches):
+            weights = self._weights([kept[i] for i in members])
+            parts.append([
+                TrainRow(
+                    index=i, key=(kept[i].rollout_id, kept[i].attempt), input_ids=kept[i].input_ids,
+                    loss_mask=kept[i].loss_mask, rollout_logprobs=kept[i].rollout_logprobs,
+                    advantages=kept[i].loss_mask.astype(np.float32) * np.float32(values[i]), weights=w,
+                    on_policy=self._on_policy(kept[i]),
+                )
+                for i, w in zip(members, weights)
+            ])
+        train_rows = [row for part in parts for row in part]
         trained_rollouts = len({r.key for r in train_rows})
         info: dict[str, Any] = {
             "tasks": len(claim.tasks),
             "rollouts": len(claim.attempts),
             "trained_rollouts": trained_rollouts,
             "trained_rows": len(train_rows),
+            "updates": len(parts),
             "rows_per_rollout": len(train_rows) / trained_rollouts if trained_rollouts else math.nan,
             **row_stats.as_metrics(),
             **adv.stats.as_metrics(),
         }
-        return train_rows, info
+        return parts, info
 
     def _on_policy(self, row: Row) -> np.ndarray:
         """1 on the completion tokens the weights the learner holds now produced (see ``TrainRow.on_policy``)."""
@@ -360,10 +396,10 @@ class Learner:
         return fresh
 
     def _weights(self, rows: Sequence[Row]) -> list[np.ndarray]:
-        """Each token's share of the step loss, from ``losses.aggregation_weights`` over the whole step batch.
+        """Each token's share of its update's loss, from ``losses.aggregation_weights`` over the mini-batch.
 
         Adapter: the losses module computes weights for one padded ``[rows, tokens]`` batch; computing them
-        once for the step batch and carrying them with the rows makes micro-batch and rank sums exact.
+        once for the mini-batch and carrying them with the rows makes micro-batch and rank sums exact.
         """
         if not rows:
             return []
@@ -387,30 +423,90 @@ class Learner:
 
     # -- every rank --------------------------------------------------------------------------------------------
 
-    def _loss_fn(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _train(self, mini_batches: list[list[TrainRow]]) -> StepResult:
+        """The step's updates, one per mini-batch, all against the step's starting weights (collective)."""
+        started = time.perf_counter()
+        if len(mini_batches) > 1:  # the proximal ("old") log-probs, before any update
+            later = [row for part in mini_batches[1:] for row in part]
+            scored = {row.index: values for row, values in zip(later, self.engine.score(later))}
+            mini_batches = [mini_batches[0]] + [[_with_old(row, scored[row.index]) for row in part]
+                                                for part in mini_batches[1:]]
+        results = []
+        for k, rows in enumerate(mini_batches):
+            widths = self._acpo_widths(rows, first=k == 0) if self.settings.loss.loss == "acpo" else None
+            results.append(self.engine.train_step(rows, partial(self._loss_fn, acpo_widths=widths)))
+        return _merge_updates(results, time.perf_counter() - started)
+
+    def _acpo_widths(self, rows: Sequence[TrainRow], *, first: bool) -> torch.Tensor:
+        """ACPO's per-bin clip widths for one update, from all its tokens on every rank (collective).
+
+        In the step's first update the weights are the old ones, every ratio is 1 and every bin's spread 0;
+        later, one no-grad pass gives the current log-probs of the update's tokens.
+        """
+        config = self.settings.loss
+        stats = torch.zeros((config.acpo_bins, 3), dtype=torch.float64)
+        if not first:
+            for row, current in zip(rows, self.engine.score(rows)):
+                old = torch.from_numpy(row.old_logprobs[np.flatnonzero(row.loss_mask[1:]) + 1])
+                stats += acpo_bin_stats(torch.from_numpy(current), old, torch.ones_like(old), config).cpu()
+            torch.distributed.all_reduce(stats)
+        return acpo_clip_widths(stats, config)
+
+    def _loss_fn(self, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor,
+                 acpo_widths: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """policy_loss on the micro-batch's flattened generated tokens, plus sums for step-level metrics."""
         mask = torch.ones_like(mb.weights) if not mb.padding else torch.zeros_like(mb.weights)
-        old = logp.detach() if self.settings.ratio_against == "learner" else None
-        # The spec's KL term is against the rollout policy, so the rollout log-probs are the reference; with
-        # kl_coef 0 it is only measured (kl_ref).
+        # the step's starting log-probs: scored before the first update, or this very forward in the first one
+        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         out = policy_loss(logp, mb.rollout_logprobs, mb.advantages, mask, mb.token_row, self.settings.loss,
-                          old_logprobs=old, ref_logprobs=mb.rollout_logprobs, entropy=entropy, weights=mb.weights)
+                          old_logprobs=old, entropy=entropy, weights=mb.weights,
+                          acpo_widths=None if acpo_widths is None else acpo_widths.to(logp.device))
         tokens = float(mask.sum())
         sums: dict[str, torch.Tensor] = {}
         for name, value in out.metrics.items():
             total = value if name in _SUMMED_LOSS_METRICS else value * tokens
             sums[f"m_{name}"] = torch.tensor(total, dtype=torch.float64)
         # Agreement between the serving engine's log-probs and ours on the same tokens, over the tokens the
-        # learner's current weights served (stale tokens differ by design, which says nothing about the engines).
+        # learner's weights at the start of the step served (stale tokens differ by design, which says nothing
+        # about the engines), with our log-probs from those weights.
         on = mask * mb.on_policy
         x = mb.rollout_logprobs.double() * on
-        y = logp.detach().double() * on
+        y = old.double() * on
         sums.update(
             lp_n=on.double().sum(), lp_x=x.sum(), lp_y=y.sum(), lp_xx=(x * x).sum(), lp_yy=(y * y).sum(),
             lp_xy=(x * y).sum(), lp_abs=(x - y).abs().sum(),
         )
         return out.loss, sums
+
+
+def _with_old(row: TrainRow, generated: np.ndarray) -> TrainRow:
+    """The row carrying its step-start log-probs, per position like its other arrays."""
+    old = np.zeros(row.num_tokens, dtype=np.float32)
+    old[np.flatnonzero(row.loss_mask[1:]) + 1] = generated
+    return replace(row, old_logprobs=old)
+
+
+def _merge_updates(results: list[StepResult], seconds: float) -> StepResult:
+    """The step's updates as one result: losses and grad norms averaged over updates, everything else summed
+    (token-mean metrics then average over all the step's tokens), seconds including the scoring passes."""
+    n = len(results)
+    stats: dict[str, float] = {}
+    for result in results:
+        for name, value in result.stats.items():
+            stats[name] = stats.get(name, 0.0) + value
+    for name in _SUMMED_LOSS_METRICS - {"tokens"}:
+        if f"m_{name}" in stats:
+            stats[f"m_{name}"] /= n
+    return StepResult(
+        loss=sum(r.loss for r in results) / n,
+        grad_norm=sum(r.grad_norm for r in results) / n,
+        stats=stats,
+        row_tokens=sum(r.row_tokens for r in results),
+        target_tokens=sum(r.target_tokens for r in results),
+        micro_batches=sum(r.micro_batches for r in results),
+        padding_micro_batches=sum(r.padding_micro_batches for r in results),
+        seconds=seconds,
+    )
 
 
 def _step_metrics(step: int, info: dict[str, Any], result: Any, train_seconds: float,
@@ -464,7 +560,7 @@ def default_weight_sync(settings: LearnerSettings) -> WeightSync:
     lora = settings.lora_name if settings.engine.lora is not None else None
     if lora is None and settings.replicas:
         check_inplace_reload(settings.model_dir)
-    replicas = [VllmReplica(url, lora_name=lora) for url in settings.replicas]
+    replicas = ReplicaSet(settings.replicas, lora_name=lora)  # URLs, or dns://NAME:PORT resolved at each sync
     gate = ProxyAdminGate(settings.proxies, mode=settings.pause_mode, drain_timeout_s=settings.drain_timeout_s) \
         if settings.proxies else None
-    return WeightSync(replicas, gate, tries=settings.sync_tries, backoff_s=settings.sync_backoff_s)
+    return WeightSync(replicas.current, gate, tries=settings.sync_tries, backoff_s=settings.sync_backoff_s)

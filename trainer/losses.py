@@ -4,10 +4,17 @@ Inputs are ``[rows, tokens]`` tensors (padded rows; padding has ``loss_mask`` 0)
 rollout. Three log-probabilities meet here for every generated token:
 
 * ``new``: the learner's current policy, with gradient;
-* ``old``: the policy the update is measured against. When the learner recomputes it before the step
-  (``old_logprobs``), the rollout engine's numbers are used only to correct the gap between the two engines
-  (truncated importance sampling, below). Without a recompute the rollout log-probs are ``old``.
-* ``rollout``: what the serving engine reported when it sampled the token (captured by the proxy).
+* ``old``: the *proximal* policy the update is measured against: the learner's weights at the start of the
+  learner step, scored once before its first optimizer update (``old_logprobs``). A step makes one update per
+  mini-batch, so from the second update on ``new`` has moved away from ``old`` and the clip acts; in the first
+  update (and with a single mini-batch) the ratio is exactly 1 and nothing clips. Without ``old_logprobs`` the
+  rollout log-probs are ``old`` (classic PPO, where the sampler is the proximal policy).
+* ``rollout``: what the serving engine reported when it sampled the token (captured by the proxy): the
+  *behaviour* policy, possibly some versions stale and with the engine's own numerics.
+
+This is decoupled PPO (Hilton et al. 2022, "Batch size-invariance for policy optimization", arXiv:2110.00641):
+the clipping ratio ``new / old`` bounds how far one learner step moves the policy, and the separate behaviour
+weight ``old / rollout`` (truncated importance sampling, below) corrects for tokens sampled by another policy.
 
 Losses, with ``r = exp(new - old)`` and advantage ``A``:
 
@@ -20,23 +27,32 @@ Losses, with ``r = exp(new - old)`` and advantage ``A``:
   Optimization, "What are Key Factors for Updates in RL for LLM Reasoning?", code in Control-derek/ACPO,
   ``compute_variance_adaptive_cliprange``). Exactly: generated tokens are binned by their probability under
   the new policy, ``p = exp(new)``, into ``acpo_bins`` equal-width bins of [0, 1] (the last one closed); in
-  bin ``b``, ``sigma_b`` is the population standard deviation of ``r`` over the bin's tokens in this call, and
-  every token of the bin is clipped to ``[1 - eps_b, 1 + eps_b]`` with
+  bin ``b``, ``sigma_b`` is the population standard deviation of ``r`` over the bin's tokens of the whole
+  optimizer update, and every token of the bin is clipped to ``[1 - eps_b, 1 + eps_b]`` with
   ``eps_b = clamp(acpo_base_clip + acpo_alpha * sigma_b, acpo_min_clip, acpo_max_clip)``. Defaults are the
   paper's main setting (alpha 3, base 0.2, min 0, max 3, 5 bins). Bins, sigma and eps carry no gradient.
+  "The whole update" matters: a statistic per micro-batch would make the update depend on how rows were
+  split. So the learner sums :func:`acpo_bin_stats` over every micro-batch and rank of the update before it,
+  turns them into widths with :func:`acpo_clip_widths` and passes them in (``acpo_widths``); a call without
+  them uses its own tokens (one batch = one update).
 
 Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
 Training", fengyao.notion.site/off-policy-rl): when ``old_logprobs`` are given and ``tis_cap`` is set, each
 token's policy-gradient term is multiplied by ``min(exp(old - rollout), tis_cap)`` (no gradient), correcting
-for tokens sampled by the serving engine's slightly different numerics; the cap bounds the variance.
+for tokens sampled by a stale policy or by the serving engine's slightly different numerics; the cap bounds
+the variance.
 
-KL to a reference (optional, ``kl_coef > 0`` and ``ref_logprobs``): the k3 estimator
-``exp(ref - new) - (ref - new) - 1`` (Schulman, "Approximating KL divergence", 2020) per token, added with
-weight ``kl_coef`` and aggregated like the policy term (not importance-weighted).
+Rollout-KL penalty (``rollout_kl_coef > 0``): a penalty on the divergence from the *rollout* policy, not from
+a frozen reference model (this learner holds none). Per token it is the k3 estimator (Schulman,
+"Approximating KL divergence", 2020) ``exp(rollout - new) - (rollout - new) - 1``, i.e. ``(q - 1) - log q``
+with ``q = pi_rollout / pi_new``: an estimate of the reverse KL, ``KL(pi_new || pi_rollout)``, as GRPO uses
+against its reference. It is evaluated on the sampled tokens, which the rollout policy drew, so like GRPO's it
+is exact in expectation only while the two policies agree. It is added with weight ``rollout_kl_coef`` and
+aggregated like the policy term (not importance-weighted), and always measured (``rollout_kl``).
 
 Aggregation: the loss is ``sum_t w_t * loss_t`` with per-token weights from :func:`aggregation_weights`. The
-weights of a whole optimizer step can be computed once and passed in for every micro-batch, so gradient
-accumulation over micro-batches sums to exactly the step's loss (the engine must then *not* divide by the
+weights of a whole optimizer update can be computed once and passed in for every micro-batch, so gradient
+accumulation over micro-batches sums to exactly the update's loss (the engine must then *not* divide by the
 number of micro-batches again).
 """
 
@@ -64,7 +80,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     tis_cap: float | None = 2.0
-    kl_coef: float = 0.0
+    rollout_kl_coef: float = 0.0  # weight of the k3 penalty on KL(new || rollout); 0: measured only
     sum_norm_tokens: int | None = None  # the fixed divisor of seq-mean-token-sum-norm (e.g. max row tokens)
     acpo_alpha: float = 3.0
     acpo_base_clip: float = 0.2
@@ -81,8 +97,8 @@ class LossConfig:
             raise ValueError(f"clip: [{self.clip_low}, {self.clip_high}] has a negative bound; use values >= 0")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap: {self.tis_cap} is not positive; use e.g. 2.0, or None to turn it off")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef: {self.kl_coef} is negative; use 0 (off) or a positive weight")
+        if self.rollout_kl_coef < 0:
+            raise ValueError(f"rollout_kl_coef: {self.rollout_kl_coef} is negative; use 0 (off) or a positive weight")
         if self.aggregation == "seq-mean-token-sum-norm" and not (self.sum_norm_tokens and self.sum_norm_tokens > 0):
             raise ValueError(
                 "sum_norm_tokens: seq-mean-token-sum-norm needs a fixed positive divisor; set it to the row "
@@ -102,7 +118,7 @@ class LossConfig:
             clip_low=algorithm.clip[0],
             clip_high=algorithm.clip[1],
             tis_cap=algorithm.tis_cap or None,  # the spec writes "off" as 0
-            kl_coef=algorithm.kl_coef,
+            rollout_kl_coef=algorithm.rollout_kl_coef,
             sum_norm_tokens=max_row_tokens if algorithm.loss_aggregation == "seq-mean-token-sum-norm" else None,
         )
 
@@ -165,17 +181,24 @@ def policy_loss(
     config: LossConfig,
     *,
     old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
+    acpo_widths: torch.Tensor | None = None,
 ) -> LossOutput:
-    """The configured loss for one (micro-)batch; see the module docstring for every term."""
+    """The configured loss for one (micro-)batch; see the module docstring for every term.
+
+    ``weights`` and ``acpo_widths`` are the step-wide parts: given, they make a micro-batch's loss its exact share
+    of the whole update's; left out, they are computed from this call's tokens alone.
+    """
     shape = new_logprobs.shape
     for name, tensor in (("rollout_logprobs", rollout_logprobs), ("advantages", advantages),
                          ("loss_mask", loss_mask), ("old_logprobs", old_logprobs),
-                         ("ref_logprobs", ref_logprobs), ("entropy", entropy), ("weights", weights)):
+                         ("entropy", entropy), ("weights", weights)):
         if tensor is not None and tensor.shape != shape:
             raise ValueError(f"{name}: shape {tuple(tensor.shape)} differs from new_logprobs {tuple(shape)}")
+    if acpo_widths is not None and acpo_widths.shape != (config.acpo_bins,):
+        raise ValueError(f"acpo_widths: {acpo_widths.numel()} values for {config.acpo_bins} bins; pass "
+                         "acpo_clip_widths() of the update's acpo_bin_stats()")
     if weights is None:
         weights = aggregation_weights(loss_mask, rollout_index, config.aggregation,
                                       sum_norm_tokens=config.sum_norm_tokens)
@@ -199,7 +222,9 @@ def policy_loss(
         clipped_high = ratio_detached > upper
     else:
         if config.loss == "acpo":
-            eps = _acpo_clip(new_logprobs.detach(), ratio_detached, loss_mask, config)
+            if acpo_widths is None:
+                acpo_widths = acpo_clip_widths(acpo_bin_stats(new_logprobs, old, loss_mask, config), config)
+            eps = acpo_widths.to(ratio.dtype)[_acpo_bins(new_logprobs.detach(), config)]
             lower, upper = 1.0 - eps, 1.0 + eps
             metrics["acpo_clip_mean"] = _masked_mean(eps, mask)
         else:
@@ -220,20 +245,20 @@ def policy_loss(
 
     pg_loss = (weights * torch.where(active, token_pg, zero)).sum()
     loss = pg_loss
-    if ref_logprobs is not None:
-        delta = ref_logprobs.detach() - new_logprobs
-        kl = torch.exp(delta) - delta - 1.0
-        metrics["kl_ref"] = _masked_mean(kl, mask)
-        if config.kl_coef > 0:
-            kl_loss = (weights * torch.where(active, kl, zero)).sum()
-            loss = loss + config.kl_coef * kl_loss
-            metrics["kl_loss"] = float(kl_loss.detach())
+    delta = (rollout_logprobs - new_logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    rollout_kl = torch.exp(delta) - delta - 1.0  # k3 of KL(new || rollout)
+    metrics["rollout_kl"] = _masked_mean(rollout_kl, mask)
+    if config.rollout_kl_coef > 0:
+        kl_loss = (weights * torch.where(active, rollout_kl, zero)).sum()
+        loss = loss + config.rollout_kl_coef * kl_loss
+        metrics["rollout_kl_loss"] = float(kl_loss.detach())
 
     metrics["pg_loss"] = float(pg_loss.detach())
     metrics["loss"] = float(loss.detach())
     metrics["tokens"] = float(mask.sum())
     metrics["clip_frac_low"] = _masked_mean(clipped_low.float(), mask)
     metrics["clip_frac_high"] = _masked_mean(clipped_high.float(), mask)
+    metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]  # the two sets are disjoint
     metrics["ratio_mean"] = _masked_mean(ratio_detached, mask)
     metrics["approx_kl"] = _masked_mean((ratio_detached - 1.0) - log_ratio.detach(), mask)  # k3 of KL(old||new)
     if old_logprobs is not None:
@@ -243,23 +268,39 @@ def policy_loss(
     return LossOutput(loss, metrics)
 
 
-def _acpo_clip(
-    new_logprobs: torch.Tensor, ratio: torch.Tensor, loss_mask: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """Per-token clip half-width: base + alpha * (population std of r in the token's probability bin)."""
-    probs = torch.exp(new_logprobs).clamp(0.0, 1.0)
-    bins = torch.clamp((probs * config.acpo_bins).long(), max=config.acpo_bins - 1)  # last bin closed at 1
-    eps = torch.full_like(ratio, config.acpo_base_clip)
+def _acpo_bins(new_logprobs: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Each token's probability bin: ``acpo_bins`` equal-width bins of [0, 1], the last one closed at 1."""
+    probs = torch.exp(new_logprobs.detach()).clamp(0.0, 1.0)
+    return torch.clamp((probs * config.acpo_bins).long(), max=config.acpo_bins - 1)
+
+
+def acpo_bin_stats(new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                   config: LossConfig) -> torch.Tensor:
+    """``[acpo_bins, 3]`` float64 sums per probability bin over the generated tokens: count, sum r, sum r^2.
+
+    Sums, so the statistic of a whole update is the sum over its micro-batches and ranks (an all-reduce), and
+    :func:`acpo_clip_widths` turns it into one clip width per bin. No gradient.
+    """
+    new = new_logprobs.detach()
+    ratio = torch.exp((new - old_logprobs.detach()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)).double()
     active = loss_mask.bool()
-    for b in range(config.acpo_bins):
-        members = active & (bins == b)
-        if not bool(members.any()):
-            continue
-        sigma = ratio[members].std(correction=0)
-        value = min(max(config.acpo_base_clip + config.acpo_alpha * float(sigma), config.acpo_min_clip),
-                    config.acpo_max_clip)
-        eps[members] = value
-    return eps
+    bins = _acpo_bins(new, config)[active]
+    ratio = ratio[active]
+    stats = torch.zeros((config.acpo_bins, 3), dtype=torch.float64, device=new.device)
+    stats.index_add_(0, bins, torch.stack([torch.ones_like(ratio), ratio, ratio * ratio], dim=1))
+    return stats
+
+
+def acpo_clip_widths(stats: torch.Tensor, config: LossConfig) -> torch.Tensor:
+    """Per-bin clip half-width ``clamp(base + alpha * sigma_b, min, max)`` from :func:`acpo_bin_stats` sums.
+
+    ``sigma_b`` is the population standard deviation of the ratios in bin ``b`` (0 for an empty bin, whose width
+    no token uses).
+    """
+    count = stats[:, 0].clamp_min(1.0)
+    mean = stats[:, 1] / count
+    sigma = (stats[:, 2] / count - mean * mean).clamp_min(0.0).sqrt()
+    return (config.acpo_base_clip + config.acpo_alpha * sigma).clamp(config.acpo_min_clip, config.acpo_max_clip)
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> float:

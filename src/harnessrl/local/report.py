@@ -104,13 +104,15 @@ def summary_table(summary: RunSummary):  # -> rich.table.Table (rich is imported
     from rich.table import Table
 
     table = Table(title=f"harnessrl run {summary.run}: policy v{summary.policy_version}")
-    for column in ("step", "rollouts", "succeeded", "reward mean", "reward std", "loss", "grad norm",
+    # clip: the fraction of generated tokens whose ratio the loss clipped (0 with one update per step)
+    for column in ("step", "rollouts", "succeeded", "reward mean", "reward std", "loss", "grad norm", "clip",
                    "logprob corr"):
         table.add_column(column, justify="right")
     for s in summary.steps:
         m = s.metrics
         table.add_row(str(s.step), str(s.rollouts), str(s.succeeded), _fmt(s.reward_mean), _fmt(s.reward_std),
-                      _fmt(m.get("loss"), 4), _fmt(m.get("grad_norm"), 3), _fmt(m.get("logprob_pearson"), 4))
+                      _fmt(m.get("loss"), 4), _fmt(m.get("grad_norm"), 3), _fmt(m.get("clip_frac"), 3),
+                      _fmt(m.get("logprob_pearson"), 4))
     totals = ", ".join(f"{state.value} {n}" for state, n in summary.counts.items() if n)
     table.caption = f"rollouts: {totals or 'none yet'}"
     return table

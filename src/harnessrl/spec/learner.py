@@ -57,19 +57,26 @@ class Algorithm(SpecModel):
     std_normalize: bool = True
     """Divide advantages by the group's reward standard deviation."""
     loss: Literal["ppo-clip", "cispo", "acpo"] = "ppo-clip"
-    """Surrogate loss over token log-probability ratios."""
+    """Surrogate loss over the ratio of the current policy to the one at the start of the step (decoupled PPO):
+    ppo-clip, cispo (clipped ratio as a detached weight) or acpo (clip width from the ratios' spread). The
+    ratio is 1 in a step's first update, so the clip acts only with miniBatches above 1."""
     loss_aggregation: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "per-rollout-mean"
     ] = "per-rollout-mean"
     """How token losses are averaged; per-rollout-mean weighs each rollout equally, whatever its rows."""
     clip: list[NonNegativeFloat] = Field(default_factory=lambda: [0.2, 0.28], min_length=2, max_length=2)
-    """Ratio clip range [low, high]: the ratio is kept within [1 - low, 1 + high]."""
+    """Ratio clip range [low, high]: the ratio to the step's starting policy is kept within [1 - low, 1 + high]
+    (acpo sets its own width per probability bin)."""
     lr: float = Field(default=1.0e-6, gt=0)
     """Learning rate."""
-    kl_coef: float = Field(default=0.0, ge=0)
-    """Weight of a KL penalty against the rollout policy; 0 turns it off."""
+    rollout_kl_coef: float = Field(default=0.0, ge=0)
+    """Weight of a penalty on the KL divergence from the rollout policy (the weights that sampled the tokens;
+    there is no frozen reference model): the k3 estimator of the reverse KL(policy || rollout policy) per
+    generated token, exp(r) - r - 1 with r = rollout log-prob - policy log-prob, averaged like the loss. 0
+    turns it off (it is still measured)."""
     tis_cap: float = Field(default=2.0, ge=0)
-    """Truncated importance sampling cap on the ratio of learner to vLLM probabilities; 0 turns it off."""
+    """Truncated importance sampling cap on the weight exp(step-start log-prob - rollout log-prob), which
+    corrects for stale rollouts and vLLM's numerics, separately from the clip; 0 turns it off."""
     failed_rollout_reward: float | None = None
     """Reward given to rollouts that failed or timed out; null leaves them out of training."""
 
@@ -143,11 +150,16 @@ class Learner(SpecModel):
     micro_batch_tokens: int = Field(default=32768, ge=1)
     """Tokens per forward/backward pass; rows are packed up to this."""
     tasks_per_step: int = Field(default=8, ge=1)
-    """Task groups whose rollouts make up one optimizer step."""
+    """Task groups whose rollouts make up one learner step (one new policy version)."""
+    mini_batches: int = Field(default=1, ge=1)
+    """Optimizer updates per learner step, each on one part of the step's rollouts (nearly equal rollout counts,
+    a rollout's rows together, at most one part per rollout), all clipped against the policy at the start of
+    the step. 1 (default): one on-policy update per step, where the ratio is 1 and the clip never acts. Above 1
+    costs one no-grad forward over the rows of every part but the first (acpo: one more per later update)."""
     max_staleness: int = Field(default=1, ge=0)
     """How many policy versions a rollout may lag behind the learner and still be trained on."""
     steps: int = Field(default=100, ge=1)
-    """Optimizer steps; the run succeeds after the last one."""
+    """Learner steps, each ending in a new policy version; the run succeeds after the last one."""
     gradient_clip: float = Field(default=1.0, gt=0)
     """Global gradient-norm clip."""
     gradient_checkpointing: bool = True
