@@ -155,6 +155,15 @@ def upstream_roots(run: TrainingRun) -> list[str]:
     return [f"http://{naming.rollout_name(run.metadata.name)}:{naming.VLLM_PORT}"]
 
 
+def replica_targets(run: TrainingRun) -> list[str]:
+    """The vLLM replicas one by one, for the learner (it syncs every replica) and the sidecar proxies (each
+    pins a rollout to one replica and reads that replica's weight label): the rollout's headless Service,
+    resolved again and again (``dns://``), where the Service's own name would pick a replica per request."""
+    if run.spec.rollout.upstreams:
+        return upstream_roots(run)
+    return [f"dns://{naming.rollout_pods_name(run.metadata.name)}:{naming.VLLM_PORT}"]
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """Where a URL points, as a NetworkPolicy can express it: a CIDR when the host is an IP literal, else

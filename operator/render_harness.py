@@ -26,9 +26,9 @@ from harnessrl.operator.render_common import (
     env,
     env_from_field,
     merge_env,
+    replica_targets,
     restricted_security,
     spec_env,
-    upstream_roots,
 )
 from harnessrl.operator.render_secret import store_url_env
 from harnessrl.scheduler import Launch
@@ -70,14 +70,19 @@ def harness_image(run: TrainingRun, launch: Launch) -> str:
 def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[dict[str, Any]]:
     """The sidecar's settings (``proxy/config.py``). ``HARNESSRL_PROXY_HOST`` is loopback: the harness in
     the same network namespace is the proxy's only client, and nothing else may attribute calls or rewards
-    to this attempt or reach the admin API."""
+    to this attempt. The admin API is off: the harness shares the network namespace and must not pause the
+    proxy or set its version; the version of each call is the weight label of the replica that served it
+    (``HARNESSRL_REPLICA_VERSIONS``), so a sync never has to reach hundreds of sidecars. During a sync the
+    replicas themselves are paused and calls wait (``spec.proxy.pause`` is for ``harnessrl run``'s proxy)."""
     spec = run.spec
     rollout, proxy = spec.rollout, spec.proxy
     sampling: dict[str, Any] = {"temperature": rollout.temperature, "top_p": rollout.top_p}
     if rollout.max_tokens is not None:
         sampling["max_tokens"] = rollout.max_tokens
     return [
-        env("HARNESSRL_UPSTREAMS", ",".join(upstream_roots(run))),
+        env("HARNESSRL_UPSTREAMS", ",".join(replica_targets(run))),
+        env("HARNESSRL_REPLICA_VERSIONS", "true"),
+        env("HARNESSRL_ADMIN", "false"),
         store_url_env(run, config),
         env("HARNESSRL_RUN", run.metadata.name),
         env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
@@ -89,8 +94,6 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_SAMPLING", json.dumps(sampling)),
         env("HARNESSRL_QUEUE_SIZE", str(proxy.queue_size)),
         env("HARNESSRL_MAX_BODY_BYTES", str(proxy.max_request_body_bytes)),
-        env("HARNESSRL_PAUSE_MODE", proxy.pause.mode),
-        env("HARNESSRL_PAUSE_RETRY_AFTER_S", str(proxy.pause.retry_after_seconds)),
         env("HARNESSRL_SPOOL_PATH", f"{SPOOL_DIR}/proxy.spool"),
     ]
 

@@ -21,8 +21,8 @@ from harnessrl.operator.render_common import (
     env,
     env_from_field,
     env_from_secret,
+    replica_targets,
     run_claims,
-    upstream_roots,
 )
 from harnessrl.operator.render_secret import SPEC_KEY, run_secret_name, store_url_env
 from harnessrl.spec.models import TrainingRun
@@ -77,8 +77,8 @@ def learner_command(run: TrainingRun) -> list[str]:
         "--output", checkpoint_dir(run),
         "--steps", str(learner.steps),
     ]  # fmt: skip
-    for root in upstream_roots(run):
-        command += ["--replica", root]
+    for target in replica_targets(run):
+        command += ["--replica", target]
     return command
 
 

@@ -154,6 +154,7 @@ class CaptureProxy:
             read_timeout_s=config.upstream_read_timeout_s,
             connections=config.upstream_connections,
             api_key=config.upstream_api_key,
+            replica_versions=config.replica_versions,
         )
         self.continuity = TokenContinuity(self.upstreams, self.metrics) if config.continuity_enabled else None
         self.metrics.in_flight.set_function(lambda: self.gate.in_flight)
@@ -174,11 +175,12 @@ class CaptureProxy:
             app.router.add_post(prefix + "/v1/rollout/finish", self.finish, name=named + "finish")
         app.router.add_get("/healthz", self.healthz, name="healthz")
         app.router.add_get("/metrics", self.prometheus, name="metrics")
-        app.router.add_post("/admin/pause", self.admin_pause, name="admin_pause")
-        app.router.add_post("/admin/resume", self.admin_resume, name="admin_resume")
-        app.router.add_get("/admin/state", self.admin_state, name="admin_state")
-        app.router.add_post("/admin/policy-version", self.admin_policy_version, name="admin_policy_version")
-        app.router.add_post("/admin/flush", self.admin_flush, name="admin_flush")
+        if self.config.admin:
+            app.router.add_post("/admin/pause", self.admin_pause, name="admin_pause")
+            app.router.add_post("/admin/resume", self.admin_resume, name="admin_resume")
+            app.router.add_get("/admin/state", self.admin_state, name="admin_state")
+            app.router.add_post("/admin/policy-version", self.admin_policy_version, name="admin_policy_version")
+            app.router.add_post("/admin/flush", self.admin_flush, name="admin_flush")
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app

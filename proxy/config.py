@@ -4,7 +4,8 @@ A sidecar proxy is configured entirely by its pod's environment (the operator se
 run mostly by flags. Flags win over the environment. Every setting has one environment variable:
 
 =================================  =========================================================================
-HARNESSRL_UPSTREAMS                vLLM base URLs, comma-separated (``http://vllm-0:8000,http://vllm-1:8000``)
+HARNESSRL_UPSTREAMS                vLLM base URLs, comma-separated (``http://vllm-0:8000,http://vllm-1:8000``);
+                                   ``dns://NAME:PORT``: every address NAME resolves to, re-resolved every 10 s
 HARNESSRL_STORE_URL                trace store URL (``postgresql+psycopg://...`` or ``sqlite:///path.db``)
 HARNESSRL_STORE_UPGRADE            ``true``: run the store's migrations at start (local runs; default false)
 HARNESSRL_RUN                      run name stored on every call (default ``default``)
@@ -17,6 +18,11 @@ HARNESSRL_PROXY_MODE               ``train`` (default): add token ids + log-prob
                                    run's model and sampling; ``observe``: forward requests unchanged and
                                    record what comes back
 HARNESSRL_POLICY_VERSION           policy version at start (default 0); later set by ``/admin/policy-version``
+HARNESSRL_REPLICA_VERSIONS         ``true``: record each call under the weight label of the vLLM replica that
+                                   serves it (``GET /weight_info``; ``upstreams.py``), the proxy's own version
+                                   only where a replica cannot tell (default false)
+HARNESSRL_ADMIN                    ``false``: no ``/admin/*`` routes (a sidecar: the harness shares its network
+                                   and must not pause it or set its version); default true
 HARNESSRL_MODEL_NAME               model name sent upstream whatever the harness asks for (default: as sent)
 HARNESSRL_SAMPLING                 JSON object of sampling fields forced on every call in train mode,
                                    e.g. ``{"temperature": 1.0, "top_p": 1.0}``
@@ -89,6 +95,8 @@ class ProxyConfig(BaseSettings):
     proxy_port: int = Field(default=8100, ge=0, le=65535)
     proxy_mode: Literal["train", "observe"] = "train"
     policy_version: int = Field(default=0, ge=0)
+    replica_versions: bool = False
+    admin: bool = True
     model_name: str | None = None
     sampling: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     token_continuity: bool | None = None
@@ -120,8 +128,14 @@ class ProxyConfig(BaseSettings):
         if isinstance(value, (list, tuple)):
             urls = [str(v).strip().rstrip("/") for v in value if str(v).strip()]
             for url in urls:
-                if not url.startswith(("http://", "https://")):
-                    raise ValueError(f"upstream {url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000")
+                if not url.startswith(("http://", "https://", "dns://")):
+                    raise ValueError(
+                        f"upstream {url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000, or dns://NAME:PORT "
+                        "for every address of a name (a headless Service)"
+                    )
+                host, _, port = url.removeprefix("dns://").rpartition(":")
+                if url.startswith("dns://") and not (host and port.isdigit()):
+                    raise ValueError(f"upstream {url!r}: write a DNS upstream as dns://NAME:PORT")
                 if url.endswith("/v1"):
                     raise ValueError(f"upstream {url!r}: give the server root, without /v1")
             return urls

@@ -5,6 +5,17 @@ growing prompt hits that server's prefix cache. Rendezvous (highest-random-weigh
 picks it; adding or removing one upstream moves only the rollouts that hashed to it. The same ranking gives
 the order of fail-over on retries.
 
+Replicas by DNS: an upstream written ``dns://NAME:PORT`` stands for every address NAME resolves to (on a
+cluster, the rollout's headless Service: its Ready vLLM pods), resolved at start and again every
+``dns_refresh_s``, so pinning reaches one replica, not a Service that would pick one per request.
+
+Policy versions from the replica (``replica_versions``): right before each send the proxy asks that very
+replica for its weight label (vLLM's ``GET /weight_info``, set by the learner's sync while the replica is
+paused) and records the call under it. A label read before the send is never newer than the weights that
+sample the answer (the label changes only after the load), so a call that straddles a sync carries the older
+version, the conservative label for off-policy corrections. A replica that cannot tell (no dev-mode
+endpoints, or a label that is not a version number, e.g. a fresh server's) falls back to ``current_version``.
+
 Retries: connection errors (refused, reset, DNS), 429 and 5xx are retried with exponential backoff (an
 upstream's ``Retry-After`` is honoured up to the cap). A non-streamed call is retried until its whole body
 was read; a streamed one only until the upstream answered with a success status: once the first byte of a
@@ -16,7 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import random
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -25,6 +38,10 @@ from dataclasses import dataclass
 import aiohttp
 
 from .metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+
+DNS_SCHEME = "dns://"
 
 
 class UpstreamUnavailable(Exception):
@@ -84,10 +101,17 @@ class UpstreamPool:
         read_timeout_s: float = 900.0,
         connections: int = 1024,
         api_key: str | None = None,
+        replica_versions: bool = False,
+        dns_refresh_s: float = 10.0,
     ) -> None:
         if not urls:
             raise ValueError("at least one upstream URL is required")
-        self.urls = list(urls)
+        self.targets = [url.rstrip("/") for url in urls]
+        self.urls = [url for url in self.targets if not url.startswith(DNS_SCHEME)]
+        self.replica_versions = replica_versions
+        self.dns_refresh_s = dns_refresh_s
+        self._refresher: asyncio.Task[None] | None = None
+        self._resolved: dict[str, list[str]] = {}  # dns:// upstream -> its addresses' base URLs
         self.metrics = metrics
         self.current_version = current_version
         self.retries = retries
@@ -108,8 +132,39 @@ class UpstreamPool:
         )
         # read_bufsize: the first chunk of a stream carries the whole prompt's token ids.
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, read_bufsize=1 << 20)
+        if any(target.startswith(DNS_SCHEME) for target in self.targets):
+            await self.resolve()
+            self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def resolve(self) -> None:
+        """Replace the DNS upstreams' addresses by what the names resolve to now; a name that fails or
+        answers nothing keeps its previous addresses (a DNS hiccup must not drop every replica)."""
+        loop = asyncio.get_running_loop()
+        for target in self.targets:
+            if not target.startswith(DNS_SCHEME):
+                continue
+            host, _, port = target.removeprefix(DNS_SCHEME).rpartition(":")
+            try:
+                answers = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except (OSError, ValueError) as exc:
+                log.warning("upstream %s does not resolve (%s); keeping its known replicas", target, exc)
+                continue
+            ips = sorted({answer[4][0] for answer in answers})
+            if ips:
+                self._resolved[target] = [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
+                                          for ip in ips]
+        urls = [url for t in self.targets for url in (self._resolved.get(t, []) if t.startswith(DNS_SCHEME) else [t])]
+        self.urls = list(dict.fromkeys(urls))
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.dns_refresh_s)
+            await self.resolve()
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            self._refresher = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -120,8 +175,25 @@ class UpstreamPool:
             raise RuntimeError("UpstreamPool.start() was not awaited")
         return self._session
 
+    async def version_of(self, url: str) -> int:
+        """The policy version ``url`` serves (its weight label), else the proxy's own (module docstring)."""
+        if self.replica_versions:
+            try:
+                async with self.session.get(
+                    url + "/weight_info", headers=self.headers, timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp:
+                    if resp.status == 200:
+                        label = (await resp.json()).get("weight_version")
+                        if isinstance(label, str) and label.isdigit():
+                            return int(label)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                log.debug("no weight label from %s (%s): the proxy's version is used", url, exc)
+        return self.current_version()
+
     def ranked(self, key: str) -> list[str]:
         """Upstreams in preference order for ``key`` (rendezvous hashing)."""
+        if not self.urls:
+            raise UpstreamUnavailable(",".join(self.targets), LookupError("no replica address resolved yet"))
         if len(self.urls) == 1:
             return self.urls
 
@@ -177,7 +249,7 @@ class UpstreamPool:
         attempt = 0
         while True:
             url = ranked[attempt % len(ranked)]
-            version = self.current_version()
+            version = await self.version_of(url)
             started = time.perf_counter()
             try:
                 resp, body = await self._send_and_read(url, path, payload, headers, method, read)

@@ -329,12 +329,15 @@ def test_proxy_settings_mirror_the_local_runner() -> None:
     pod = harness_pod(parse_training_run(CLUSTER))
     proxy = env_of(container(pod["spec"], "proxy"))
     assert json.loads(proxy["HARNESSRL_SAMPLING"]) == {"temperature": 1.0, "top_p": 1.0, "max_tokens": 4096}
-    assert proxy["HARNESSRL_UPSTREAMS"] == "http://swe-qwen-rollout:8000"
+    # pinned to one replica of the headless Service, recording that replica's weight label; no admin API
+    assert proxy["HARNESSRL_UPSTREAMS"] == "dns://swe-qwen-rollout-pods:8000"
+    assert (proxy["HARNESSRL_REPLICA_VERSIONS"], proxy["HARNESSRL_ADMIN"]) == ("true", "false")
     assert proxy["HARNESSRL_POLICY_VERSION"] == "4"
     assert (proxy["HARNESSRL_RUN"], proxy["HARNESSRL_ROLLOUT_ID"], proxy["HARNESSRL_ATTEMPT"]) == (
         "swe-qwen", "swe-qwen-g000002-r003", "1",
     )  # fmt: skip
-    assert (proxy["HARNESSRL_PAUSE_MODE"], proxy["HARNESSRL_QUEUE_SIZE"]) == ("wait", "512")
+    assert proxy["HARNESSRL_QUEUE_SIZE"] == "512"
+    assert "HARNESSRL_PAUSE_MODE" not in proxy  # the replicas pause on a cluster (vLLM keeps the calls)
     assert proxy["HARNESSRL_MAX_BODY_BYTES"] == "67108864"
     assert proxy["HARNESSRL_SPOOL_PATH"].startswith("/var/spool/harnessrl/")
 
@@ -551,7 +554,8 @@ def test_learner_is_an_indexed_job_with_a_rendezvous_service() -> None:
     assert (
         command[command.index("--run") + 1] == "swe-qwen" and command[command.index("--steps") + 1] == "200"
     )
-    assert command[command.index("--replica") + 1] == "http://swe-qwen-rollout:8000"
+    # every replica, by the headless Service's DNS answer at each sync (the Service would pick one at random)
+    assert command[command.index("--replica") + 1] == "dns://swe-qwen-rollout-pods:8000"
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert learner["image"] == CONFIG.learner_image
     image = variant(CLUSTER, lambda s: s["learner"].update(image="ghcr.io/acme/learner:9"))

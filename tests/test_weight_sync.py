@@ -14,10 +14,12 @@ from proxy_servers import loops, make_proxy, upstream  # noqa: F401 - pytest fix
 
 from harnessrl.trainer.weight_sync import (
     ProxyAdminGate,
+    ReplicaSet,
     SyncError,
     VllmReplica,
     WeightSync,
     check_inplace_reload,
+    resolve_replica_urls,
     retry,
 )
 
@@ -94,3 +96,41 @@ def test_full_weight_sync_refuses_a_model_with_a_tied_lm_head(tmp_path: Path, ti
         return
     with pytest.raises(SyncError, match=r"tie_word_embeddings: true.*spec\.weightSync\.method to lora"):
         check_inplace_reload(tmp_path)
+
+
+def fake_dns(answers: dict[str, list[str]]):
+    """A resolver with getaddrinfo's signature and answer shape, for names this machine cannot serve."""
+
+    def resolve(host: str, port: int, type: int = 0) -> list:
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, type, 6, "", (ip, port)) for ip in answers[host]]
+
+    return resolve
+
+
+def test_a_dns_replica_set_is_resolved_again_at_each_sync():
+    dns = {"run-rollout-pods": ["10.0.0.2", "10.0.0.1", "10.0.0.2"]}
+    replicas = ReplicaSet(["dns://run-rollout-pods:8000", "http://fixed:9000/"], resolve=fake_dns(dns))
+    first = replicas.current()
+    assert [r.name for r in first] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://fixed:9000"]
+    dns["run-rollout-pods"] = ["10.0.0.2", "fd00::3"]  # scaled: one replica gone, one new (IPv6)
+    second = replicas.current()
+    assert [r.name for r in second] == ["http://10.0.0.2:8000", "http://[fd00::3]:8000", "http://fixed:9000"]
+    assert second[0] is first[1]  # a replica that stays keeps its client
+    assert resolve_replica_urls("dns://localhost:8000") == ["http://127.0.0.1:8000"]  # the real resolver
+
+
+@pytest.mark.parametrize("answers", [{}, {"run-rollout-pods": []}])
+def test_a_dns_name_with_no_replica_behind_it_fails_the_sync(answers):
+    """A headless Service with no Ready pod (or no DNS name at all) is not a successful sync of nothing."""
+    replicas = ReplicaSet(["dns://run-rollout-pods:8000"], resolve=fake_dns(answers))
+    report = WeightSync(replicas.current, tries=1).sync(4, Path("/ckpt/v000004"))
+    assert not report.ok
+    (result,) = report.replicas
+    assert "run-rollout-pods" in result.error and "Ready" in result.error
+
+
+def test_a_replica_set_written_wrong_names_the_form():
+    with pytest.raises(SyncError, match=r"dns://NAME:PORT"):
+        resolve_replica_urls("dns://run-rollout-pods")

@@ -99,7 +99,9 @@ class WatchedReplica(VllmReplica):
         self.paused_during_load: list[bool] = []
 
     def load(self, checkpoint: Path, version: int) -> None:
-        self.paused_during_load.append(httpx.get(f"{self.proxy_url}/admin/state", timeout=10).json()["paused"])
+        proxy_paused = httpx.get(f"{self.proxy_url}/admin/state", timeout=10).json()["paused"]
+        vllm_paused = httpx.get(f"{self.base_url}/is_paused", timeout=10).json()["is_paused"]
+        self.paused_during_load.append(proxy_paused and vllm_paused)
         super().load(checkpoint, version)
 
 
@@ -135,6 +137,7 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         failing = WeightSync([replica, VllmReplica(dead_url())], gate, tries=2, backoff_s=0.05)
         first = Learner(settings, PolicyEngine(tiny_model_dir, settings.engine), store, sync=failing).run()
         assert [o.version for o in first] == [1] and first[0].synced is False
+        assert replica.served_version() != "1"  # not labelled: the sync failed on the other replica
         metrics = first[0].metrics
         # vLLM's log-probs and the learner's on the same tokens (same base weights, different kernels)
         print(f"vLLM vs learner log-probs: mean |diff| {metrics['logprob_abs_diff']:.2e}, "
@@ -154,6 +157,8 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         assert second == []  # nothing left to train: the run has 1 step
         assert ledger.version(1).synced
         assert replica.paused_during_load == [True]
+        assert replica.served_version() == "1"  # what a proxy pinned to this replica reads
+        assert httpx.get(f"{vllm_server.base_url}/is_paused", timeout=10).json()["is_paused"] is False
         state = httpx.get(f"{proxy.url}/admin/state", timeout=10).json()
         assert state["paused"] is False and state["policy_version"] == 1
 
@@ -184,3 +189,83 @@ def test_sync_changes_the_server_to_the_learners_weights(vllm_server, tiny_model
         loops.close()
         store.close()
     assert [server_greedy(vllm_server.base_url, vllm_server.model, p) for p in PROBE_PROMPTS] == before
+
+
+def test_a_generation_in_flight_during_a_sync_is_frozen_and_finishes_after_it(
+    vllm_server, tiny_model_dir: Path, tmp_path: Path
+):
+    """vLLM's keep pause: a long generation running when the sync starts is neither aborted nor fed from
+    half-loaded weights; it continues after the resume, and the replica carries the new version label."""
+    import threading
+
+    answers: list[httpx.Response] = []
+    body = {"model": vllm_server.model, "prompt": [5, 6, 7], "max_tokens": 400, "min_tokens": 400,
+            "temperature": 1.0, "return_token_ids": True}
+    thread = threading.Thread(
+        target=lambda: answers.append(httpx.post(f"{vllm_server.base_url}/v1/completions", json=body, timeout=300))
+    )
+    replica = VllmReplica(vllm_server.base_url)
+    try:
+        thread.start()
+        # wait until the request is being generated (vLLM's own gauge), then sync
+        deadline = 200
+        while deadline and "vllm:num_requests_running" not in _running_metric(vllm_server.base_url):
+            deadline -= 1
+            threading.Event().wait(0.05)
+        report = WeightSync([replica], tries=2, backoff_s=0.05).sync(7, tiny_model_dir)
+        thread.join(300)
+        assert report.ok, report
+        (answer,) = answers
+        assert answer.status_code == 200, answer.text
+        choice = answer.json()["choices"][0]
+        assert len(choice["token_ids"]) == 400 and choice["finish_reason"] == "length"
+        assert replica.served_version() == "7"
+        assert httpx.get(f"{vllm_server.base_url}/is_paused", timeout=10).json()["is_paused"] is False
+    finally:
+        thread.join(300)
+        replica.set_version(0)
+
+
+def _running_metric(base_url: str) -> str:
+    """The metrics lines saying a request is running now (empty when none is)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return "\n".join(
+        line for line in text.splitlines()
+        if line.startswith("vllm:num_requests_running") and not line.rstrip().endswith(" 0.0")
+    )
+
+
+def test_a_proxy_records_the_version_label_of_the_replica_that_served_each_call(
+    vllm_server, tiny_model_dir: Path, tmp_path: Path
+):
+    """A sidecar's setup: the replicas by DNS, the version from each replica's label, no admin routes. The
+    proxy's own version stays 0; calls are recorded under the label the serving replica carries, and under
+    the proxy's version where the label is not a version number."""
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = TraceStore.connect(store_url)
+    store.upgrade()
+    port = httpx.URL(vllm_server.base_url).port
+    loops = LoopThread()
+    proxy = RunningProxy(loops, proxy_config([f"dns://localhost:{port}"], store_url, tmp_path / "spool",
+                                             rollout_id=None, run=RUN, model_name=vllm_server.model,
+                                             replica_versions=True, admin=False), store)
+    replica = VllmReplica(vllm_server.base_url)
+    try:
+        store.add_tasks(RUN, [{"id": "labelled"}])
+        recorded = []
+        for index, label in enumerate(["5", "base", "6"]):
+            httpx.post(f"{vllm_server.base_url}/update_weight_version", json={"new_version": label}, timeout=10)
+            rollout = store.create_rollout(RUN, "labelled", index, rollout_id=f"labelled-{index}")
+            store.transition(rollout, 0, RolloutState.RUNNING, policy_version=0)
+            client = openai.OpenAI(base_url=f"{proxy.url}/rollouts/{rollout}/attempts/0/v1", api_key="unused",
+                                   max_retries=0, timeout=120)
+            client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=2)
+            proxy.flush(60)
+            recorded += [call.policy_version for call in store.read_calls(rollout, 0)]
+        assert recorded == [5, 0, 6]
+        assert httpx.post(f"{proxy.url}/admin/policy-version", json={"version": 9}, timeout=10).status_code == 404
+    finally:
+        replica.set_version(0)
+        proxy.stop()
+        loops.close()
+        store.close()

@@ -1,20 +1,28 @@
 """Pushing a committed policy version to the rollout side: every vLLM replica loads it, the proxies learn it.
 
-Order (DESIGN.md §4): pause the proxies (new calls wait or get 503 + Retry-After while in-flight calls drain),
-load the checkpoint on every replica (in-place ``reload_weights``, or a LoRA adapter reloaded in place), check
-that each replica answers a one-token request, set the new version on the proxies, resume. A replica that
-fails is retried with exponential backoff; the result says which replicas failed and why. The version is
-only announced (and the caller only marks it synced in the store) when *every* replica serves it; the
-proxies are resumed whatever happens, so a failed sync never leaves harnesses hanging.
+Order: pause every replica (vLLM's own ``POST /pause?mode=keep``: requests in flight freeze and continue after
+the resume, new ones queue, so no token is sampled from half-loaded weights, with nothing asked of the
+hundreds of sidecar proxies), and the proxies that a gate names (``harnessrl run``'s one proxy: its pause
+modes wait/reject); load the checkpoint on every replica (in-place ``reload_weights``, or a LoRA adapter
+reloaded in place); label each replica with the version (``/update_weight_version``, which ``GET
+/weight_info`` answers, so a proxy pinned to a replica knows what served each call) and tell the gate;
+resume; check that each replica answers a one-token request. A replica that fails is retried with
+exponential backoff; the result says which replicas failed and why. The version is only announced (and the
+caller only marks it synced in the store) when *every* replica loaded it; replicas and proxies are resumed
+whatever happens, so a failed sync never leaves harnesses hanging.
 
-Two small interfaces keep the mechanism replaceable: :class:`RolloutGate` (pause, announce version, resume:
-today the proxies' admin API, later one shared place such as the store or vLLM's own pause/version endpoints,
-which hundreds of sidecars can watch) and :class:`Replica` (load, probe).
+Replicas are a fixed list of base URLs or a DNS name re-resolved at every sync (``dns://NAME:PORT``, the
+rollout's headless Service on a cluster: every Ready vLLM pod, however the Deployment was scaled). A name
+that resolves to nothing fails the sync: syncing no replica is not a successful sync.
+
+Two small interfaces keep the mechanism replaceable: :class:`RolloutGate` (pause, announce version, resume
+for proxies) and :class:`Replica` (pause, load, label, resume, probe).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -150,7 +158,13 @@ class ProxyAdminGate:
 class Replica(Protocol):
     name: str
 
+    def pause(self) -> None: ...
+
     def load(self, checkpoint: Path, version: int) -> None: ...
+
+    def set_version(self, version: int) -> None: ...
+
+    def resume(self) -> None: ...
 
     def probe(self) -> None: ...
 
@@ -177,6 +191,21 @@ class VllmReplica:
             raise SyncError(f"{self.base_url} {what} answered {resp.status_code}: {resp.text[:300]}")
         return resp
 
+    def pause(self) -> None:
+        """Freeze generation (``keep``: in-flight requests continue after :meth:`resume`, none is aborted)."""
+        self._check(self.client.post(f"{self.base_url}/pause", params={"mode": "keep"}), "pause")
+
+    def resume(self) -> None:
+        self._check(self.client.post(f"{self.base_url}/resume"), "resume")
+
+    def set_version(self, version: int) -> None:
+        """The label ``GET /weight_info`` answers from now on: what a proxy records as the serving version."""
+        body = {"new_version": str(version)}
+        self._check(self.client.post(f"{self.base_url}/update_weight_version", json=body), "update_weight_version")
+
+    def served_version(self) -> str | None:
+        return self._check(self.client.get(f"{self.base_url}/weight_info"), "weight_info").json()["weight_version"]
+
     def load(self, checkpoint: Path, version: int) -> None:
         if self.lora_name is None:
             body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
@@ -185,8 +214,12 @@ class VllmReplica:
             body = {"lora_name": self.lora_name, "lora_path": str(checkpoint), "load_inplace": True}
             self._check(self.client.post(f"{self.base_url}/v1/load_lora_adapter", json=body), "load_lora_adapter")
         # The prefix cache holds keys/values computed by the old weights; a prompt sharing a cached prefix
-        # (every agent turn does) would otherwise be served partly by the previous policy.
-        self._check(self.client.post(f"{self.base_url}/reset_prefix_cache"), "reset_prefix_cache")
+        # (every agent turn does) would otherwise be served partly by the previous policy. Requests frozen by
+        # the pause hold cache blocks, so they are sent back to the queue (their keys/values are recomputed
+        # with the new weights); vLLM answers success false, with 200, when blocks stay held.
+        reset = self.client.post(f"{self.base_url}/reset_prefix_cache", params={"reset_running_requests": "true"})
+        if not self._check(reset, "reset_prefix_cache").json().get("success", False):
+            raise SyncError(f"{self.base_url} reset_prefix_cache did not free the cache: {reset.text[:200]}")
 
     def served_model(self) -> str:
         if self.lora_name is not None:
@@ -264,19 +297,86 @@ def retry(fn: Callable[[], Any], tries: int, backoff_s: float, what: str,
     raise AssertionError("unreachable")
 
 
-class WeightSync:
-    """Loads a version on every replica behind a paused gate (see the module docstring for the rules)."""
+DNS_SCHEME = "dns://"
 
-    def __init__(self, replicas: Sequence[Replica], gate: RolloutGate | None = None, tries: int = 3,
-                 backoff_s: float = 1.0) -> None:
+
+def resolve_replica_urls(target: str, resolve: Callable[..., list] = socket.getaddrinfo) -> list[str]:
+    """Base URLs for ``target``: itself for ``http(s)://...``; for ``dns://NAME:PORT`` one per address NAME
+    resolves to now (a headless Service answers with its Ready pods), sorted, IPv6 in brackets."""
+    if not target.startswith(DNS_SCHEME):
+        return [target.rstrip("/")]
+    host, _, port = target.removeprefix(DNS_SCHEME).rstrip("/").rpartition(":")
+    if not host or not port.isdigit():
+        raise SyncError(f"{target}: write a DNS replica set as dns://NAME:PORT")
+    try:
+        answers = resolve(host, int(port), type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise SyncError(f"{target}: {host} does not resolve ({exc}) — are the vLLM pods Ready?") from None
+    addresses = sorted({answer[4][0] for answer in answers})
+    return [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}" for ip in addresses]
+
+
+class ReplicaSet:
+    """The replicas of the next sync: fixed URLs and DNS names, resolved again at each sync (a scaled
+    Deployment gains and loses replicas between syncs); one :class:`VllmReplica` per URL, kept while it
+    stays."""
+
+    def __init__(self, targets: Sequence[str], lora_name: str | None = None,
+                 resolve: Callable[..., list] = socket.getaddrinfo) -> None:
+        self.targets = list(targets)
+        self.lora_name = lora_name
+        self.resolve = resolve
+        self._known: dict[str, VllmReplica] = {}
+
+    @property
+    def dynamic(self) -> bool:
+        return any(target.startswith(DNS_SCHEME) for target in self.targets)
+
+    def current(self) -> list[VllmReplica]:
+        urls = [url for target in self.targets for url in resolve_replica_urls(target, self.resolve)]
+        if self.dynamic and not urls:
+            raise SyncError(f"no vLLM replica behind {self.targets} — are the vLLM pods Ready?")
+        replicas = {url: self._known.get(url) or VllmReplica(url, lora_name=self.lora_name) for url in urls}
+        for url in set(self._known) - set(replicas):
+            self._known.pop(url).close()
+        self._known.update(replicas)
+        return list(replicas.values())
+
+
+class WeightSync:
+    """Loads a version on every replica behind paused replicas and gate (the module docstring has the rules).
+
+    ``replicas``: a fixed list, or a callable giving the replicas of each sync (:meth:`ReplicaSet.current`).
+    An empty fixed list is a learner with no rollout side (tests, offline training): nothing to load, and
+    the version is announced to the gate alone.
+    """
+
+    def __init__(self, replicas: Sequence[Replica] | Callable[[], Sequence[Replica]], gate: RolloutGate | None = None,
+                 tries: int = 3, backoff_s: float = 1.0) -> None:
         if tries < 1:
             raise ValueError("tries must be >= 1")
-        self.replicas = list(replicas)
+        self.replicas = replicas
         self.gate = gate or NoGate()
         self.tries = tries
         self.backoff_s = backoff_s
 
-    def _sync_one(self, replica: Replica, checkpoint: Path, version: int) -> ReplicaResult:
+    def _current(self) -> list[Replica]:
+        return list(self.replicas() if callable(self.replicas) else self.replicas)
+
+    def _each(self, replicas: Sequence[Replica], operation: Callable[[Replica], Any]) -> dict[str, str]:
+        """``operation`` on every replica at once; errors by replica name (after retries)."""
+        def one(replica: Replica) -> str | None:
+            try:
+                retry(lambda: operation(replica), self.tries, self.backoff_s, what=f"{replica.name}")
+            except Exception as exc:  # noqa: BLE001 - reported per replica, never fatal to the others
+                return _one_line(exc)
+            return None
+
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(replicas)))) as pool:
+            errors = dict(zip([r.name for r in replicas], pool.map(one, replicas), strict=True))
+        return {name: error for name, error in errors.items() if error is not None}
+
+    def _load_one(self, replica: Replica, checkpoint: Path, version: int) -> ReplicaResult:
         started = time.perf_counter()
         count = 0
 
@@ -284,7 +384,6 @@ class WeightSync:
             nonlocal count
             count += 1
             replica.load(checkpoint, version)
-            replica.probe()
 
         try:
             retry(attempt, self.tries, self.backoff_s, what=f"weight sync of {replica.name}")
@@ -297,19 +396,34 @@ class WeightSync:
         gate_errors: dict[str, str] = {}
         pause = GateReport({})
         results: list[ReplicaResult] = []
+        replicas: list[Replica] = []
+        resolved = True
+        try:
+            replicas = self._current()
+        except SyncError as exc:
+            resolved = False
+            results.append(ReplicaResult(str(self.replicas), False, 1, 0.0, _one_line(exc)))
         try:
             pause = self.gate.pause()
             if pause.errors:
                 log.warning("could not pause %s: calls may reach replicas mid-reload", sorted(pause.errors))
-            with ThreadPoolExecutor(max_workers=min(32, max(1, len(self.replicas)))) as pool:
-                results = list(pool.map(lambda r: self._sync_one(r, checkpoint, version), self.replicas))
-            if all(r.ok for r in results):
+            gate_errors.update({f"pause {k}": v for k, v in self._each(replicas, lambda r: r.pause()).items()})
+            with ThreadPoolExecutor(max_workers=min(32, max(1, len(replicas)))) as pool:
+                results += list(pool.map(lambda r: self._load_one(r, checkpoint, version), replicas))
+            if resolved and all(r.ok for r in results):
+                labels = self._each(replicas, lambda r: r.set_version(version))
+                gate_errors.update({f"version {k}": v for k, v in labels.items()})
                 gate_errors.update({f"version {k}": v for k, v in self.gate.set_version(version).items()})
         finally:
+            gate_errors.update({f"resume {k}": v for k, v in self._each(replicas, lambda r: r.resume()).items()})
             gate_errors.update({f"resume {k}": v for k, v in self.gate.resume().items()})
+        # After the resume: a paused replica would hold the probe itself.
+        probes = self._each(replicas, lambda r: r.probe()) if all(r.ok for r in results) else {}
+        for result in results:
+            if result.name in probes:
+                result.ok, result.error = False, f"probe after loading: {probes[result.name]}"
         gate_errors.update({f"pause {k}": v for k, v in pause.errors.items()})
-        ok = bool(results) or not self.replicas
-        ok = ok and all(r.ok for r in results)
+        ok = all(r.ok for r in results)
         report = SyncReport(version, ok, results, pause, gate_errors, time.perf_counter() - started)
         if not ok or gate_errors:
             log.error("weight sync of version %d: replicas failed %s, proxies failed %s", version,

@@ -227,8 +227,11 @@ class LocalRun:
             "--sampling", json.dumps(sampling), "--policy-version", str(version),
             "--spool", str(self.run_dir / "proxy.spool"),
         ]
+        # Calls are recorded under the serving replica's weight label, as on a cluster (the learner's sync
+        # labels each replica); the proxy's own version, set by the sync too, covers a replica without one.
         env = {**os.environ, "HARNESSRL_PAUSE_MODE": self.spec.proxy.pause.mode,
-               "HARNESSRL_MAX_BODY_BYTES": str(self.spec.proxy.max_request_body_bytes)}
+               "HARNESSRL_MAX_BODY_BYTES": str(self.spec.proxy.max_request_body_bytes),
+               "HARNESSRL_REPLICA_VERSIONS": "true"}
         proc = self._spawn("proxy", command, env)
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
