@@ -29,6 +29,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from harnessrl.store.records import CallStatus, RolloutState
+from harnessrl.store.states import AttemptSettled
 
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -136,10 +137,11 @@ class CaptureProxy:
         self.ledger = RolloutLedger(config.live_rollouts, config.last_call_tokens)
         self.writer = TraceWriter(
             store,
-            Spool(config.resolved_spool_path),
+            Spool(config.resolved_spool_path, config.spool_max_bytes),
             self.metrics,
             batch_size=config.write_batch,
             queue_size=config.queue_size,
+            queue_max_bytes=config.queue_max_bytes,
             retry_s=config.spool_retry_s,
             linger_s=config.write_linger_s,
         )
@@ -305,7 +307,7 @@ class CaptureProxy:
             http_status=http_status,
         )
         self.ledger.remember(who.key, record, x.rendered)
-        item = CallItem(record)
+        item = CallItem(record, size=len(x.payload))
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
         self.metrics.calls.labels(x.route, status.value).inc()
@@ -629,10 +631,53 @@ class CaptureProxy:
         info = body.get("info")
         if info is not None and not isinstance(info, dict):
             raise RequestError("'info' must be a JSON object (or left out)", param="info")
-        self.writer.put(RewardItem(who.rollout_id, who.attempt, float(value), info, who.run))
+        error = await self._stored(RewardItem(who.rollout_id, who.attempt, float(value), info, who.run))
+        if isinstance(error, AttemptSettled):
+            raise RequestError(str(error), status=409, param="attempt", code="attempt_settled")
+        if isinstance(error, TimeoutError):
+            raise RequestError(
+                f"the reward for rollout {who.rollout_id} attempt {who.attempt} is not stored yet: the trace "
+                f"store did not take it within {self.config.reward_timeout_s:g} s "
+                f"({self.writer.problem() or 'it is unavailable'}); the proxy keeps it and stores it when it "
+                "can, but the attempt may be settled without it — post it again before exiting",
+                status=503,
+                code="reward_not_stored",
+            )
+        if error is not None:
+            raise RequestError(
+                f"the trace store refused the reward: {type(error).__name__}: {error}",
+                status=422,
+                code="reward_refused",
+            )
         return json_response(
-            {"rollout_id": who.rollout_id, "attempt": who.attempt, "value": float(value), "accepted": True}
+            {
+                "rollout_id": who.rollout_id,
+                "attempt": who.attempt,
+                "value": float(value),
+                "accepted": True,
+                "stored": True,
+            }
         )
+
+    async def _stored(self, item: RewardItem) -> BaseException | None:
+        """Queue ``item`` behind the calls before it and wait until the store has it (None), refused it (the
+        error) or ``reward_timeout_s`` passed (``TimeoutError``).
+
+        Why wait: a harness exits right after its reward is accepted, and the scheduler settles an attempt
+        that exited without a stored reward as NoReward; answering before the write would race it.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
+
+        def resolve(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(error)
+
+        self.writer.put(item, on_done=lambda error: loop.call_soon_threadsafe(resolve, error))
+        try:
+            return await asyncio.wait_for(done, self.config.reward_timeout_s)
+        except TimeoutError as exc:
+            return exc
 
     async def finish(self, request: web.Request) -> web.Response:
         who = self.attribution(request)
@@ -655,9 +700,15 @@ class CaptureProxy:
     # -- operations ----------------------------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return json_response(
-            {"status": "ok", "paused": self.gate.paused, "spool_pending": self.writer.spool.pending}
-        )
+        """200 while captured calls reach the store or the spool; 503 with the reason while they cannot
+        (the spool is full or unwritable, the writer fails), since then the proxy only holds them in memory
+        and soon makes every call wait: a probe must see that, not "ok"."""
+        writer = self.writer
+        body = {"status": "ok", "paused": self.gate.paused, "spool_pending": writer.spool.pending}
+        problem = writer.problem()
+        if problem is None:
+            return json_response(body)
+        return json_response({**body, "status": "failing", "reason": problem}, 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
         body, content_type = self.metrics.exposition()
@@ -701,6 +752,14 @@ class CaptureProxy:
                 "queue_depth": self.writer.queued,
                 "unwritten": self.writer.depth,
                 "spool_pending": self.writer.spool.pending,
+                "queue_bytes": self.writer.queued_bytes,
+                "spool_bytes": self.writer.spool.size,
+                "writer_problem": self.writer.problem(),
+                "queue_size": cfg.queue_size,
+                "queue_max_bytes": cfg.queue_max_bytes,
+                "spool_path": str(self.writer.spool.path),
+                "spool_max_bytes": cfg.spool_max_bytes,
+                "retry_after_s": cfg.pause_retry_after_s,
                 "upstreams": self.upstreams.urls,
                 "mode": cfg.proxy_mode,
                 "attribution": "sidecar" if cfg.sidecar else "gateway",

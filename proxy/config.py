@@ -37,16 +37,24 @@ HARNESSRL_UPSTREAM_READ_TIMEOUT_S  longest silence while reading an upstream ans
 HARNESSRL_UPSTREAM_CONNECTIONS     connection-pool size to all upstreams together (default 1024)
 HARNESSRL_MAX_BODY_BYTES           largest request body accepted, larger -> 413 (default 64 MiB)
 HARNESSRL_PAUSE_MODE               what ``/admin/pause`` does to new calls by default: ``reject`` (503 with
-                                   Retry-After) or ``wait`` (held until resume); default reject
-HARNESSRL_PAUSE_RETRY_AFTER_S      Retry-After sent while paused in reject mode (default 1)
+                                   Retry-After) or ``wait`` (held until resume); default: the spec's
+                                   ``proxy.pause.mode`` default (wait)
+HARNESSRL_PAUSE_RETRY_AFTER_S      Retry-After sent while paused in reject mode (default: the spec's
+                                   ``proxy.pause.retryAfterSeconds`` default, 2)
 HARNESSRL_DRAIN_TIMEOUT_S          how long ``/admin/pause`` waits for in-flight calls (default 30)
 HARNESSRL_QUEUE_SIZE               captured items held in memory before new calls wait for the writer
-                                   (default 10000)
+                                   (default: the spec's ``proxy.queueSize`` default, 256)
+HARNESSRL_QUEUE_MAX_BYTES          the same bound in estimated bytes (default: ``proxy.queueMaxBytes``'s,
+                                   256 MiB)
 HARNESSRL_WRITE_BATCH              most calls per store write (default 256)
 HARNESSRL_WRITE_LINGER_S           how long the writer collects calls before a write (default 0.02)
 HARNESSRL_SPOOL_PATH               append-only file for items the store could not take (default
                                    ``$TMPDIR/harnessrl-proxy-<port>.spool``; a sidecar mounts an emptyDir)
+HARNESSRL_SPOOL_MAX_BYTES          largest spool file; when full, items wait in memory and new calls wait
+                                   (default: ``proxy.spoolMaxBytes``'s, 1 GiB)
 HARNESSRL_SPOOL_RETRY_S            first delay before replaying the spool, doubled up to 5 s (default 0.2)
+HARNESSRL_REWARD_TIMEOUT_S         how long ``/v1/reward`` waits for the reward to be stored before it
+                                   answers 503 (the store is away; the reward stays in the spool); default 30
 HARNESSRL_LIVE_ROLLOUTS            rollout attempts whose sequence counter is kept (default 100000)
 HARNESSRL_LAST_CALL_TOKENS         token budget of the last-call-per-rollout map used by token continuity
                                    (default 8000000: 32 MB of int32 arrays plus the calls' messages)
@@ -64,7 +72,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from harnessrl.spec.models import Pause, Proxy
+
 MIB = 1024 * 1024
+
+
+def _spec_default(model: type, field: str) -> Any:
+    """A default shared with the TrainingRun spec, so a proxy started by hand behaves like one the spec made."""
+    return model.model_fields[field].default
 
 # Flags whose name is not simply ``--field-name`` (see commands.py).
 FLAG_NAMES = {
@@ -108,14 +123,17 @@ class ProxyConfig(BaseSettings):
     upstream_read_timeout_s: float = Field(default=900.0, gt=0)
     upstream_connections: int = Field(default=1024, ge=1)
     max_body_bytes: int = Field(default=64 * MIB, ge=1024)
-    pause_mode: Literal["reject", "wait"] = "reject"
-    pause_retry_after_s: int = Field(default=1, ge=0)
+    pause_mode: Literal["reject", "wait"] = _spec_default(Pause, "mode")
+    pause_retry_after_s: int = Field(default=_spec_default(Pause, "retry_after_seconds"), ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
-    queue_size: int = Field(default=10_000, ge=1)
+    queue_size: int = Field(default=_spec_default(Proxy, "queue_size"), ge=1)
+    queue_max_bytes: int = Field(default=_spec_default(Proxy, "queue_max_bytes"), ge=1)
     write_batch: int = Field(default=256, ge=1)
     write_linger_s: float = Field(default=0.02, ge=0)
     spool_path: Path | None = None
+    spool_max_bytes: int = Field(default=_spec_default(Proxy, "spool_max_bytes"), ge=1)
     spool_retry_s: float = Field(default=0.2, gt=0)
+    reward_timeout_s: float = Field(default=30.0, ge=0)
     live_rollouts: int = Field(default=100_000, ge=1)
     last_call_tokens: int = Field(default=8_000_000, ge=0)
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
@@ -171,6 +189,23 @@ class ProxyConfig(BaseSettings):
         if self.spool_path is not None:
             return self.spool_path
         return Path(tempfile.gettempdir()) / f"harnessrl-proxy-{self.proxy_port}.spool"
+
+
+def spec_environment(proxy: Proxy, spool_path: Path) -> dict[str, str]:
+    """The settings a TrainingRun's ``spec.proxy`` fixes, as the ``HARNESSRL_*`` variables a proxy reads.
+
+    One mapping for every place that starts a proxy from a spec, so no validated field is silently dropped
+    on the way (``spool_path``: where that place puts ``spec.proxy.spoolDir``'s spool file).
+    """
+    return {
+        "HARNESSRL_QUEUE_SIZE": str(proxy.queue_size),
+        "HARNESSRL_QUEUE_MAX_BYTES": str(proxy.queue_max_bytes),
+        "HARNESSRL_SPOOL_PATH": str(spool_path),
+        "HARNESSRL_SPOOL_MAX_BYTES": str(proxy.spool_max_bytes),
+        "HARNESSRL_MAX_BODY_BYTES": str(proxy.max_request_body_bytes),
+        "HARNESSRL_PAUSE_MODE": proxy.pause.mode,
+        "HARNESSRL_PAUSE_RETRY_AFTER_S": str(proxy.pause.retry_after_seconds),
+    }
 
 
 def load_config(**overrides: Any) -> ProxyConfig:

@@ -69,6 +69,9 @@ class ProxyMetrics:
         self.queue_depth = Gauge(
             PREFIX + "queue_depth", "Captured items in memory waiting for the writer.", registry=r
         )
+        self.queue_bytes = Gauge(
+            PREFIX + "queue_bytes", "Estimated bytes of the captured items waiting for the writer.", registry=r
+        )
         self.backpressure_waits = Counter(
             PREFIX + "backpressure_waits", "Calls that waited because the write queue was full.", registry=r
         )
@@ -84,10 +87,17 @@ class ProxyMetrics:
         self.spool_pending = Gauge(
             PREFIX + "spool_pending", "Items in the spool not yet replayed.", registry=r
         )
+        self.spool_bytes = Gauge(PREFIX + "spool_bytes", "Size of the spool file.", registry=r)
         self.write_errors = Counter(
             PREFIX + "write_errors",
-            "Store write failures: outage (spooled, retried) or rejected (kept aside).",
+            "Write failures: outage (spooled, retried), rejected (kept aside), spool_full (held in memory) "
+            "or writer (the spool or its .rejected file could not be written, or a bug: held, retried).",
             ["kind"],
+            registry=r,
+        )
+        self.writer_failing = Gauge(
+            PREFIX + "writer_failing",
+            "1 while captured items reach neither the store nor the spool (the reason is in /healthz).",
             registry=r,
         )
         self.paused = Gauge(PREFIX + "paused", "1 while paused for a weight sync.", registry=r)

@@ -13,6 +13,11 @@ Replay reads from an offset held in memory; when everything has been replayed th
 zero. After a crash mid-replay the next process replays from the start, which is harmless: the store skips
 call ids it already has, rewards are re-applied in their original order (the last one still wins).
 
+Size: ``max_bytes`` bounds the file. ``append`` takes the entries that fit and leaves the rest to the caller
+(the writer keeps them in memory and reports the spool full); the first entry always fits an empty spool, so
+one item larger than the bound can never block it forever. An append that fails half-way (disk full) is cut
+back to the last whole line, so the file never holds a torn line in the middle.
+
 Items that the store rejects for good (not an outage: bad data, an illegal state transition) go to
 ``<spool>.rejected`` with the error, so they are kept and visible instead of blocking the spool forever.
 """
@@ -29,14 +34,28 @@ from .protocol import dumps, loads
 log = logging.getLogger(__name__)
 
 
+class SpoolFull(Exception):
+    """The spool file reached its byte bound; ``held`` items wait in memory until a replay makes room."""
+
+    def __init__(self, spool: Spool, held: int) -> None:
+        super().__init__(
+            f"spool {spool.path} is full ({spool.size} of {spool.max_bytes} bytes, the store is away): "
+            f"{held} items held in memory and new calls wait; raise the proxy's spool bound "
+            "(HARNESSRL_SPOOL_MAX_BYTES) or bring the store back"
+        )
+        self.held = held
+
+
 class Spool:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_bytes: int | None = None) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._cut_torn_tail()
-        self._append = open(self.path, "ab")  # noqa: SIM115 - lives as long as the spool
+        self._append = open(self.path, "ab", buffering=0)  # noqa: SIM115 - lives as long as the spool
         self._read = open(self.path, "rb")  # noqa: SIM115
         self._offset = 0
+        self.size = os.fstat(self._append.fileno()).st_size
         self.pending = self._count_lines()
 
     def _cut_torn_tail(self) -> None:
@@ -75,14 +94,37 @@ class Spool:
                 count += chunk.count(b"\n")
         return count
 
-    def append(self, entries: list[dict[str, Any]]) -> None:
-        if not entries:
-            return
-        data = b"".join(dumps(e) + b"\n" for e in entries)
-        self._append.write(data)
-        self._append.flush()
-        os.fsync(self._append.fileno())
-        self.pending += len(entries)
+    def append(self, entries: list[dict[str, Any]]) -> int:
+        """Append as many of ``entries`` as fit below ``max_bytes``, durably; returns how many.
+
+        Raises ``OSError`` (nothing appended, the file cut back) when the write or the fsync fails.
+        """
+        lines = []
+        size = self.size
+        for entry in entries:
+            line = dumps(entry) + b"\n"
+            if self.max_bytes is not None and size + len(line) > self.max_bytes and (lines or self.size):
+                break
+            lines.append(line)
+            size += len(line)
+        if not lines:
+            return 0
+        data = b"".join(lines)
+        fd = self._append.fileno()
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError:
+            try:
+                os.ftruncate(fd, self.size)
+            except OSError:
+                log.exception("spool %s: could not cut back a failed append", self.path)
+            raise
+        self.size = size
+        self.pending += len(lines)
+        return len(lines)
 
     def peek(self, max_items: int) -> list[tuple[dict[str, Any] | None, bytes]]:
         """Up to ``max_items`` entries from the replay offset, without consuming them.
@@ -110,8 +152,8 @@ class Spool:
             self.pending = 0
             self._offset = 0
             self._append.truncate(0)
-            self._append.flush()
             os.fsync(self._append.fileno())
+            self.size = 0
 
     def reject(self, entry: dict[str, Any] | None, raw: bytes | None, error: str) -> None:
         """Keep an item the store refuses for good, with the reason, next to the spool."""

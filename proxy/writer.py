@@ -12,8 +12,14 @@ backoff until the store answers again. Errors that retrying cannot fix (bad data
 the one offending item to the spool's ``.rejected`` file and the rest go on.
 
 Memory is bounded by the admission check in the HTTP layer (``has_room``): while the in-memory queue is at
-its limit (the store is slow but answering), new LLM calls wait before they start; calls already running
-always get their record queued. During an outage the queue drains into the spool, so calls keep flowing.
+its limit, by count or by estimated bytes (the store is slow but answering), new LLM calls wait before they
+start; calls already running always get their record queued. During an outage the queue drains into the
+spool, so calls keep flowing, until the spool reaches its byte bound: then the writer holds what it took,
+the queue fills and new calls wait, and ``/healthz`` says why.
+
+Whoever needs to know that an item is in the store (the reward route: a harness exits right after it, and
+the scheduler must see the reward then) passes ``on_done`` to ``put`` and is told once the item is stored
+or refused for good.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any, Protocol
@@ -33,7 +39,7 @@ from harnessrl.store.call_rows import PreparedCall, prepare_call
 from harnessrl.store.records import CallRecord, CallStatus, RolloutState
 
 from .metrics import ProxyMetrics
-from .spool import Spool
+from .spool import Spool, SpoolFull
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,12 @@ class CallItem:
     """
 
     call: CallRecord | PreparedCall
+    size: int = 0  # the request's bytes as received, if known; the token estimate is added (``item_bytes``)
+
+    def __post_init__(self) -> None:
+        record = self.record
+        tokens = len(record.prompt_token_ids) + len(record.completion_token_ids)
+        self.size += ITEM_OVERHEAD_BYTES + BYTES_PER_TOKEN * tokens
 
     def prepare(self) -> None:
         call = self.call
@@ -114,6 +126,21 @@ class FinishItem:
 
 
 Item = CallItem | RewardItem | FinishItem
+
+ITEM_OVERHEAD_BYTES = 512
+BYTES_PER_TOKEN = 16  # its id and log-prob as captured, and its share of the answer's text
+
+
+def item_bytes(item: Item) -> int:
+    """What a queued item holds in memory, estimated for the queue's byte bound (``queue_max_bytes``).
+
+    An estimate, not a measurement (measuring nested JSON costs more CPU than the capture): a call counts its
+    request as received plus ``BYTES_PER_TOKEN`` per prompt and completion token, so a few huge prompts fill
+    the bound as surely as many small calls fill the count bound; a reward or finish counts its overhead.
+    """
+    if isinstance(item, CallItem):
+        return item.size
+    return ITEM_OVERHEAD_BYTES
 
 _CALL_FIELDS = [f.name for f in fields(CallRecord)]
 
@@ -212,7 +239,15 @@ class _Outage(Exception):
 
 
 class TraceWriter:
-    """Queue + writer thread + spool. ``put`` from any thread; ``flush``/``close`` block (use a thread)."""
+    """Queue + writer thread + spool. ``put`` from any thread; ``flush``/``close`` block (use a thread).
+
+    Nothing the thread meets ends it: an error outside the store's own (the spool or its ``.rejected`` file
+    cannot be written, the disk is full, a bug) is logged, shown as ``failure`` (the proxy's ``/healthz``
+    answers 503 with it, metric ``writer_failing``), and the items it was handling are kept and retried with
+    backoff, so nothing is lost and nothing waits silently. Memory is bounded by count and by bytes
+    (``queue_size``, ``queue_max_bytes``), the spool file by bytes (``Spool.max_bytes``): a full spool holds
+    the rest in memory, where the queue bound makes new calls wait.
+    """
 
     def __init__(
         self,
@@ -222,6 +257,7 @@ class TraceWriter:
         *,
         batch_size: int = 256,
         queue_size: int = 10_000,
+        queue_max_bytes: int | None = None,
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
         linger_s: float = 0.02,
@@ -231,23 +267,32 @@ class TraceWriter:
         self.metrics = metrics
         self.batch_size = batch_size
         self.queue_size = queue_size
+        self.queue_max_bytes = math.inf if queue_max_bytes is None else queue_max_bytes
         self.retry_s = retry_s
         self.retry_max_s = retry_max_s
         self.linger_s = linger_s
-        self._wake = threading.Event()  # set by flush/close to cut a linger short
+        self._wake = threading.Event()  # set by flush/close (and a waited-for item) to cut a linger short
         self._queue: queue.SimpleQueue[tuple[int, Item]] = queue.SimpleQueue()
         self._epoch = uuid.uuid4().hex  # tells this process's spool lines from an earlier process's
         self._issued = 0  # tickets handed out by put()
         self._written = 0  # every ticket <= this is in the store (or rejected for good)
+        self._queued_bytes = 0  # estimated size of what waits in the queue (see ``item_bytes``)
+        self._waiters: dict[int, Callable[[BaseException | None], None]] = {}
+        self._held: list[tuple[int, Item]] = []  # taken from the queue, neither stored nor spooled yet
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
         self._stopping = threading.Event()
         self._stop_deadline = math.inf
         self._next_replay = 0.0
         self._backoff = retry_s
+        self._failure_backoff = retry_s
+        self.failure: str | None = None  # why the writer cannot make progress now (None: it can)
         self._thread = threading.Thread(target=self._run, name="harnessrl-trace-writer", daemon=True)
         metrics.queue_depth.set_function(lambda: self.queued)
+        metrics.queue_bytes.set_function(lambda: self._queued_bytes)
         metrics.spool_pending.set_function(lambda: self.spool.pending)
+        metrics.spool_bytes.set_function(lambda: self.spool.size)
+        metrics.writer_failing.set_function(lambda: 0 if self.problem() is None else 1)
 
     # -- producer side -------------------------------------------------------------------------------
 
@@ -264,14 +309,32 @@ class TraceWriter:
         """Items in memory waiting for the writer thread (spooled items do not count: they are on disk)."""
         return self._queue.qsize()
 
-    def has_room(self) -> bool:
-        return self._queue.qsize() < self.queue_size
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
 
-    def put(self, item: Item) -> None:
+    def has_room(self) -> bool:
+        return self._queue.qsize() < self.queue_size and self._queued_bytes < self.queue_max_bytes
+
+    def problem(self) -> str | None:
+        """Why captured items are not reaching the store or the spool now; None while the writer works."""
+        if self._thread.ident is not None and not self._thread.is_alive() and not self._stopping.is_set():
+            return "the trace writer thread has stopped"
+        return self.failure
+
+    def put(self, item: Item, on_done: Callable[[BaseException | None], None] | None = None) -> None:
+        """Queue ``item`` (never blocks). ``on_done(error)`` is called on the writer thread once the item is
+        in the store (``None``) or refused for good (the store's error); not while it waits in the spool."""
+        size = item_bytes(item)
         with self._lock:
             self._issued += 1
             ticket = self._issued
+            self._queued_bytes += size
+            if on_done is not None:
+                self._waiters[ticket] = on_done
         self._queue.put((ticket, item))
+        if on_done is not None:
+            self._wake.set()  # someone waits for this one: no lingering for a larger batch
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything put before this call is in the store; False on timeout (still kept)."""
@@ -284,7 +347,7 @@ class TraceWriter:
         """Stop: write the queue to the store, or to the spool if the store stays away until ``timeout``.
 
         Returns True when everything reached the store; otherwise the rest is in the spool, replayed by
-        the next proxy started on the same spool path.
+        the next proxy started on the same spool path (or lost, if even the spool could not take it: logged).
         """
         self._stop_deadline = time.monotonic() + timeout
         self._stopping.set()
@@ -303,13 +366,25 @@ class TraceWriter:
                 self._written = ticket
                 self._progress.notify_all()
 
+    def _done(self, ticket: int | None, error: BaseException | None) -> None:
+        """Tell whoever waits for ``ticket`` how it ended (a callback that fails is logged, never fatal)."""
+        if ticket is None or not self._waiters:
+            return
+        with self._lock:
+            waiter = self._waiters.pop(ticket, None)
+        if waiter is not None:
+            try:
+                waiter(error)
+            except Exception:
+                log.exception("a waiter for trace item %d failed", ticket)
+
     def _take(self, linger: float) -> list[tuple[int, Item]]:
         """Wait ``linger``, then take what is queued (up to a batch).
 
         The writer does not block on the queue: a blocked reader is woken by every ``put``, and each wake-up
         makes the event loop's thread hand the GIL over (measured: ~0.3 ms per call under load). Lingering
         lets ``put`` stay a plain append and makes batches larger; capture is delayed by at most ``linger``
-        (``flush`` and ``close`` cut it short), never the response.
+        (``flush``, ``close`` and an item someone waits for cut it short), never the response.
         """
         if self._queue.qsize() < self.batch_size and linger > 0:
             self._wake.wait(linger)
@@ -320,20 +395,29 @@ class TraceWriter:
                 batch.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        if batch:
+            size = sum(item_bytes(item) for _, item in batch)
+            with self._lock:
+                self._queued_bytes -= size
         return batch
 
     def _run(self) -> None:
         while True:
             stopping = self._stopping.is_set()
-            batch = self._take(0.0 if stopping else self.linger_s)
-            if self.spool.pending:
-                if batch:
-                    self._to_spool(batch)
-                if time.monotonic() >= self._next_replay or stopping:
-                    self._replay()
-            elif batch:
-                self._write(batch)
-            if stopping and self._queue.empty():
+            try:
+                self._step(stopping)
+            except Exception as exc:  # noqa: BLE001 - the guard: whatever it is, keep the items and retry
+                self._fail(exc)
+                if not (stopping and time.monotonic() >= self._stop_deadline):
+                    self._stopping.wait(self._failure_backoff)
+                    self._failure_backoff = min(self.retry_max_s, self._failure_backoff * 2)
+                    continue
+            else:
+                if self.failure is not None and not self._held:
+                    log.warning("trace writer works again (it failed with: %s)", self.failure)
+                    self.failure = None
+                    self._failure_backoff = self.retry_s
+            if stopping and not self._held and self._queue.empty():
                 if self.spool.pending == 0 or time.monotonic() >= self._stop_deadline:
                     if self.spool.pending:
                         log.warning(
@@ -344,28 +428,63 @@ class TraceWriter:
                         )
                     return
                 time.sleep(min(self._backoff, max(0.0, self._stop_deadline - time.monotonic())))
+            elif stopping and time.monotonic() >= self._stop_deadline and self.failure is not None:
+                lost = len(self._held) + self._queue.qsize()
+                log.error(
+                    "trace writer stopping after its deadline while failing (%s): %d captured items could "
+                    "be neither stored nor spooled and are lost",
+                    self.failure,
+                    lost,
+                )
+                return
 
-    def _to_spool(self, batch: list[tuple[int, Item]]) -> None:
+    def _step(self, stopping: bool) -> None:
+        """One pass: take a batch (or retry the held one), replay the spool when due, store or spool."""
+        if not self._held:
+            self._held = self._take(0.0 if stopping else self.linger_s)
+        if self.spool.pending and (time.monotonic() >= self._next_replay or stopping):
+            self._replay()
+        if not self._held:
+            return
+        if self.spool.pending:
+            self._to_spool()
+        else:
+            self._write()
+
+    def _fail(self, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if reason != self.failure:
+            log.error(
+                "trace writer failed (%s); %d items held in memory, retrying", reason, len(self._held),
+                exc_info=not isinstance(exc, (OSError, SpoolFull)),
+            )
+        self.failure = reason
+        self.metrics.write_errors.labels(kind="spool_full" if isinstance(exc, SpoolFull) else "writer").inc()
+
+    def _to_spool(self) -> None:
+        """Append the held items to the spool, as many as its byte bound allows (``SpoolFull`` for the rest)."""
         entries = []
-        for ticket, item in batch:
+        for ticket, item in self._held:
             entry = item_to_json(item)
             entry["t"] = ticket
             entry["e"] = self._epoch
             entries.append(entry)
-        self.spool.append(entries)
-        self.metrics.spooled.inc(len(entries))
+        appended = self.spool.append(entries)
+        self.metrics.spooled.inc(appended)
+        self._held = self._held[appended:]
+        if self._held:
+            raise SpoolFull(self.spool, len(self._held))
 
-    def _write(self, batch: list[tuple[int, Item]]) -> None:
-        start = 0
-        for group in _groups(batch):
+    def _write(self) -> None:
+        for group in _groups(self._held):
             try:
-                self._apply([item for _, item in group], [None] * len(group))
+                self._apply([item for _, item in group], [None] * len(group), [t for t, _ in group])
             except _Outage as outage:
                 self._enter_outage(outage.cause)
-                self._to_spool(batch[start:])
+                self._to_spool()
                 return
             self._mark_written(group[-1][0])
-            start += len(group)
+            self._held = self._held[len(group) :]
 
     def _enter_outage(self, cause: BaseException) -> None:
         self.metrics.write_errors.labels(kind="outage").inc()
@@ -395,42 +514,48 @@ class TraceWriter:
                     self.metrics.write_errors.labels(kind="rejected").inc()
                     item = None
                 ticket = entry.get("t") if entry is not None and entry.get("e") == self._epoch else None
-                parsed.append((item, raw, ticket))
+                parsed.append((item, raw, ticket if isinstance(ticket, int) else None))
             for group in _groups(parsed, key=lambda p: p[0]):
                 raws = [raw for _, raw, _ in group]
+                tickets = [t for _, _, t in group]
                 if group[0][0] is not None:
                     try:
-                        self._apply([item for item, _, _ in group], raws)  # type: ignore[misc]
+                        self._apply([item for item, _, _ in group], raws, tickets)  # type: ignore[misc]
                     except _Outage as outage:
                         self._enter_outage(outage.cause)
                         return
                     self.metrics.replayed.inc(len(group))
                 self.spool.consume(raws)
-                tickets = [t for _, _, t in group if isinstance(t, int)]
-                if tickets:
-                    self._mark_written(max(tickets))
+                known = [t for t in tickets if t is not None]
+                if known:
+                    self._mark_written(max(known))
         self._backoff = self.retry_s
         log.info("trace store answers again: spool %s replayed", self.spool.path)
 
-    def _apply(self, items: list[Item], raws: list[bytes | None]) -> None:
+    def _apply(self, items: list[Item], raws: list[bytes | None], tickets: list[int | None]) -> None:
         """Write one group (consecutive calls, or one reward/finish); raises ``_Outage``."""
         try:
             self._apply_once(items)
-            return
         except Exception as exc:  # classified right below
             if is_outage(exc):
                 raise _Outage(exc) from exc
             if len(items) == 1:
-                self._reject(items[0], raws[0], exc)
+                self._reject(items[0], raws[0], tickets[0], exc)
                 return
+        else:
+            for ticket in tickets:
+                self._done(ticket, None)
+            return
         # A batch failed for a reason other than an outage: find the bad item(s) one by one.
-        for item, raw in zip(items, raws):
+        for item, raw, ticket in zip(items, raws, tickets):
             try:
                 self._apply_once([item])
             except Exception as exc:
                 if is_outage(exc):
                     raise _Outage(exc) from exc
-                self._reject(item, raw, exc)
+                self._reject(item, raw, ticket, exc)
+            else:
+                self._done(ticket, None)
 
     def _apply_once(self, items: list[Item]) -> None:
         first = items[0]
@@ -445,7 +570,9 @@ class TraceWriter:
                 first.rollout_id, first.attempt, first.state, first.reason, run=first.run
             )
 
-    def _reject(self, item: Item, raw: bytes | None, exc: BaseException) -> None:
+    def _reject(self, item: Item, raw: bytes | None, ticket: int | None, exc: BaseException) -> None:
+        """Tell the waiter first (its answer does not depend on the file), then keep the item aside."""
+        self._done(ticket, exc)
         message = f"{type(exc).__name__}: {exc}".splitlines()[0]
         log.error("trace store refused an item for good (%s); kept in %s.rejected", message, self.spool.path)
         self.metrics.write_errors.labels(kind="rejected").inc()

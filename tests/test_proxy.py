@@ -252,6 +252,33 @@ def test_rewards_last_one_wins_and_missing_stays_missing(upstream, make_proxy, s
     assert store.get_attempt("b", 0).reward is None
 
 
+def test_a_reward_is_stored_when_its_answer_arrives(upstream, make_proxy, store):
+    """The harness may exit the moment it has the answer: by then the store must have the reward (the
+    writer lingers 30 s here, so an answer given on queueing alone would find nothing stored)."""
+    proxy = make_proxy([upstream.url], write_linger_s=30.0)
+    client(proxy.v1).chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    resp = httpx.post(f"{proxy.v1}/reward", json={"value": 0.5, "info": {"k": 1}}, timeout=60)
+    assert resp.status_code == 200 and resp.json()["stored"] is True
+    attempt = store.get_attempt("r-1", 0)
+    assert (attempt.reward, attempt.reward_info) == (0.5, {"k": 1})
+    assert len(store.read_calls("r-1", 0)) == 1  # the call before it went in first
+
+
+def test_a_reward_for_a_settled_attempt_gets_409_and_changes_nothing(upstream, make_proxy, store):
+    proxy = make_proxy([upstream.url], rollout_id=None)
+    base = f"{proxy.url}/rollouts/done/attempts/1/v1"
+    assert httpx.post(f"{base}/reward", json={"value": 0.25}).status_code == 200
+    store.finish_attempt("done", 1, RolloutState.TIMED_OUT, "Timeout: settled by the scheduler")
+    late = httpx.post(f"{base}/reward", json={"value": 1.0, "info": {"late": True}})
+    assert late.status_code == 409
+    error = late.json()["error"]
+    assert error["code"] == "attempt_settled" and error["param"] == "attempt"
+    assert "rollout done attempt 1 is already timed_out" in error["message"]
+    attempt = store.get_attempt("done", 1)
+    assert (attempt.state, attempt.reward, attempt.reward_info) == (RolloutState.TIMED_OUT, 0.25, None)
+    assert httpx.get(f"{proxy.url}/healthz").status_code == 200  # a refused reward is not a sick proxy
+
+
 def test_reward_and_finish_of_a_rollout_that_made_no_call_are_stored(upstream, make_proxy, store, tmp_path):
     """A harness may score and end a rollout whose LLM calls all failed before reaching the proxy."""
     proxy = make_proxy([upstream.url], rollout_id=None)

@@ -327,6 +327,91 @@ def test_cli_refuses_a_store_that_was_never_migrated(tmp_path):
                     "first, or start the proxy with --upgrade-db")
 
 
+# ------------------------------------------------------------------------------- settings from the spec
+
+
+RUN_SPEC = """
+apiVersion: harnessrl.io/v1alpha1
+kind: TrainingRun
+metadata: {name: knobs}
+spec:
+  model: {path: model}
+  harness:
+    command: [python, -c, "pass"]
+    tasks: {inline: [{id: t, data: {}}]}
+  proxy:
+    queueSize: 3
+    queueMaxBytes: 123456
+    spoolDir: my-spool
+    spoolMaxBytes: 654321
+    pause: {mode: reject, retryAfterSeconds: 7}
+"""
+
+
+def test_harnessrl_run_starts_its_proxy_with_the_specs_proxy_settings(upstream, tmp_path):
+    """queueSize, queueMaxBytes, spoolDir, spoolMaxBytes and pause.retryAfterSeconds were validated and then
+    dropped by `harnessrl run`; the proxy it starts must act on each."""
+    import yaml
+
+    from harnessrl.local.runner import LocalRun, LocalRunOptions
+    from harnessrl.spec.models import TrainingRun
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    spec_path = tmp_path / "run.yaml"
+    spec_path.write_text(RUN_SPEC)
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    TraceStore.connect(store_url).upgrade()
+    run_dir = tmp_path / "runs" / "knobs"
+    run_dir.mkdir(parents=True)
+    local = LocalRun(TrainingRun.model_validate(yaml.safe_load(RUN_SPEC)),
+                     LocalRunOptions(spec_path=spec_path, run_dir=run_dir, store_url=store_url))
+    url = local._start_proxy(upstream.url, 0)
+    try:
+        state = httpx.get(f"{url}/admin/state").json()
+        assert (state["queue_size"], state["queue_max_bytes"], state["spool_max_bytes"]) == (3, 123456, 654321)
+        assert state["spool_path"] == str(run_dir / "my-spool" / "proxy.spool")
+        assert (run_dir / "my-spool" / "proxy.spool").exists()
+        assert httpx.post(f"{url}/admin/pause", json={}).json()["mode"] == "reject"
+        paused = httpx.post(f"{url}/rollouts/r/attempts/0/v1/chat/completions",
+                            json={"model": "m", "messages": MESSAGES})
+        assert paused.status_code == 503 and paused.headers["Retry-After"] == "7"
+    finally:
+        local._stop_children()
+
+
+# ------------------------------------------------------------------------------------ writer failures
+
+
+def test_a_writer_that_cannot_write_says_so_keeps_everything_and_recovers(upstream, make_proxy, store):
+    """A real disk-full error on the writer thread (its .rejected file is /dev/full): /healthz answers 503
+    with the reason and the metric shows it, items wait in memory instead of vanishing with a dead thread,
+    and once the disk takes writes again everything reaches the store."""
+    proxy = make_proxy([upstream.url], rollout_id=None, spool_retry_s=0.01)
+    rejected = proxy.config.spool_path.with_name(proxy.config.spool_path.name + ".rejected")
+    rejected.symlink_to("/dev/full")
+    base = f"{proxy.url}/rollouts/late/attempts/0/v1"
+    store.finish_attempt("late", 0, RolloutState.CANCELLED, run="test-run")
+    assert httpx.post(f"{base}/reward", json={"value": 1.0}).status_code == 409  # refused, set aside: ENOSPC
+    wait_for(lambda: httpx.get(f"{proxy.url}/healthz").status_code == 503, what="/healthz to say 503")
+    health = httpx.get(f"{proxy.url}/healthz").json()
+    assert health["status"] == "failing" and "No space left on device" in health["reason"]
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert metric_value(metrics, "harnessrl_proxy_writer_failing") == 1
+    assert metric_value(metrics, "harnessrl_proxy_write_errors_total", kind="writer") >= 1
+    client(f"{proxy.url}/rollouts/other/attempts/0/v1").chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=2
+    )  # still answered; its record waits behind the held item
+    assert store.read_calls("other", 0) == []
+    rejected.unlink()  # room on the disk again
+    wait_for(lambda: httpx.get(f"{proxy.url}/healthz").status_code == 200, what="/healthz to recover")
+    proxy.flush()
+    assert len(store.read_calls("other", 0)) == 1
+    [kept] = [json.loads(line) for line in rejected.read_text().splitlines()]
+    assert kept["item"]["rollout_id"] == "late" and kept["error"].startswith("AttemptSettled")
+    assert metric_value(httpx.get(f"{proxy.url}/metrics").text, "harnessrl_proxy_writer_failing") == 0
+
+
 # ------------------------------------------------------------------------------------ database outages
 
 
@@ -372,7 +457,8 @@ def pg_store(pg_url: str):
 @pytest.mark.postgres
 def test_database_outage_mid_stream_of_calls_loses_nothing(loops, upstream, pg_store, tmp_path):
     pg_url, store, db = pg_store
-    proxy = RunningProxy(loops, proxy_config([upstream.url], pg_url, tmp_path / "spool.jsonl"), store)
+    config = proxy_config([upstream.url], pg_url, tmp_path / "spool.jsonl", reward_timeout_s=2.0)
+    proxy = RunningProxy(loops, config, store)
     c = client(proxy.v1)
     try:
         for i in range(45):
@@ -383,13 +469,19 @@ def test_database_outage_mid_stream_of_calls_loses_nothing(loops, upstream, pg_s
                 state = httpx.get(f"{proxy.url}/admin/state").json()
                 assert state["spool_pending"] > 0  # the proxy kept serving from the spool
                 db.unblock()
+            if i == 35:
+                proxy.flush(60)  # the spool is replayed with backoff: a reward waits behind it
             messages = [{"role": "user", "content": f"call {i}"}]
             if i % 3 == 0:
                 list(c.chat.completions.create(model="m", messages=messages, max_tokens=2, stream=True))
             else:
                 c.chat.completions.create(model="m", messages=messages, max_tokens=2)
             if i % 10 == 5:
-                assert httpx.post(f"{proxy.v1}/reward", json={"value": i}).status_code == 200
+                reward = httpx.post(f"{proxy.v1}/reward", json={"value": i})
+                if 15 <= i < 30:  # not stored yet: the harness is told so, the proxy keeps it in the spool
+                    assert reward.status_code == 503 and reward.json()["error"]["code"] == "reward_not_stored"
+                else:
+                    assert reward.status_code == 200, reward.text
         proxy.flush(60)
         metrics = httpx.get(f"{proxy.url}/metrics").text
     finally:
@@ -412,13 +504,14 @@ def test_spool_left_at_shutdown_is_replayed_by_the_next_proxy(loops, upstream, p
     pg_url, store, db = pg_store
     spool = tmp_path / "spool.jsonl"
     db.block()
-    first = RunningProxy(loops, proxy_config([upstream.url], pg_url, spool, shutdown_timeout_s=0.3), store)
+    config = proxy_config([upstream.url], pg_url, spool, shutdown_timeout_s=0.3, reward_timeout_s=0.3)
+    first = RunningProxy(loops, config, store)
     c = client(first.v1)
     for i in range(10):
         c.chat.completions.create(
             model="m", messages=[{"role": "user", "content": f"call {i}"}], max_tokens=2
         )
-    httpx.post(f"{first.v1}/reward", json={"value": 0.5})
+    assert httpx.post(f"{first.v1}/reward", json={"value": 0.5}).status_code == 503  # spooled, not stored
     first.stop()  # the database is still away: everything stays in the spool
     assert len(spool.read_text().splitlines()) == 11
     db.unblock()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,16 @@ from harnessrl.proxy.writer import (
     FinishItem,
     RewardItem,
     TraceWriter,
+    item_bytes,
     item_from_json,
     item_to_json,
     record_from_json,
     record_to_json,
 )
 from harnessrl.store import CallStatus, RolloutState, TraceStore
+
+pytest.register_assert_rewrite("proxy_servers")
+from proxy_servers import metric_value
 
 WHO = Attribution("run", "r", 0)
 
@@ -357,6 +362,58 @@ def test_writer_replays_a_spool_left_by_an_earlier_process(sqlite_store: TraceSt
         sqlite_store.read_calls("r", 0)[3].call_id
     ]
     assert sqlite_store.get_attempt("r", 0).reward == 2.0
+
+
+def test_the_queue_is_bounded_by_bytes_as_well_as_by_count(sqlite_store: TraceStore, tmp_path: Path):
+    """Three big calls fill a byte bound far below the count bound; the writer draining them makes room."""
+    big = [record(seq, prompt=list(range(1, 2001))) for seq in range(3)]
+    one = item_bytes(CallItem(big[0]))
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics(), queue_size=1000,
+                         queue_max_bytes=3 * one)
+    for call in big[:2]:
+        writer.put(CallItem(call))
+        assert writer.has_room()
+    writer.put(CallItem(big[2]))
+    assert not writer.has_room() and writer.queued == 3 and writer.queued_bytes == 3 * one
+    writer.start()
+    assert writer.flush(30)
+    assert writer.has_room() and writer.queued_bytes == 0
+    writer.close(5)
+    assert [c.seq for c in sqlite_store.read_calls("r", 0)] == [0, 1, 2]
+
+
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_full_spool_holds_the_rest_in_memory_says_so_and_replays_everything(tmp_path: Path):
+    """A store with no tables yet is away for the writer (every write fails "no such table"): the spool takes
+    what its byte bound allows, the writer reports it full and keeps the rest, and once the store is
+    migrated everything is stored, in order."""
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'late.db'}")
+    calls = [record(seq) for seq in range(20)]
+    line = len(json.dumps(item_to_json(CallItem(calls[0])))) + 40  # ticket and epoch fields, some slack
+    spool = Spool(tmp_path / "s.jsonl", max_bytes=5 * line)
+    metrics = ProxyMetrics()
+    writer = TraceWriter(store, spool, metrics, batch_size=4, retry_s=0.01, retry_max_s=0.05, linger_s=0.0)
+    writer.start()
+    for call in calls:
+        writer.put(CallItem(call))
+    wait_until(lambda: (writer.problem() or "").startswith("SpoolFull"), "the spool to fill")
+    assert "is full" in writer.problem() and "HARNESSRL_SPOOL_MAX_BYTES" in writer.problem()
+    assert 0 < spool.pending < 20 and spool.size == spool.path.stat().st_size <= 5 * line
+    exposition = metrics.exposition()[0].decode()
+    assert metric_value(exposition, "harnessrl_proxy_writer_failing") == 1
+    assert metric_value(exposition, "harnessrl_proxy_write_errors_total", kind="spool_full") >= 1
+    store.upgrade()
+    assert writer.flush(30)
+    assert writer.problem() is None and spool.pending == 0 and spool.size == 0
+    assert writer.close(5)
+    assert [c.seq for c in store.read_calls("r", 0)] == list(range(20))
+    store.close()
 
 
 # ------------------------------------------------------------------------------------------ config, pins

@@ -201,3 +201,46 @@ def test_unstartable_command_fails_the_attempt_with_the_reason(store: TraceStore
     run_until(scheduler, lambda: store.count_attempts("r")[RolloutState.FAILED] == 2)
     reasons = {a.reason for a in store.list_attempts("r")}
     assert len(reasons) == 1 and "cannot start harness" in reasons.pop()
+
+
+REWARD_THEN_EXIT = r'''
+import json, os, urllib.request
+task = json.load(open(os.environ["HARNESSRL_TASK_FILE"]))
+body = json.dumps({"value": task["reward"]}).encode()
+request = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/reward", data=body,
+                                 headers={"Content-Type": "application/json"})
+urllib.request.urlopen(request, timeout=60).read()
+'''  # and exit 0 at once: nothing between the reward's answer and the exit the scheduler settles on
+
+
+def test_a_harness_that_exits_right_after_its_reward_is_never_settled_noreward(
+    store: TraceStore, store_url: str, tmp_path: Path
+) -> None:
+    """The reward goes through the real proxy; its writer lingers long (as a busy store would make it) so an
+    answer given before the reward is stored loses the race to the scheduler every time."""
+    from proxy_servers import LoopThread, RunningProxy, proxy_config
+
+    harness = tmp_path / "reward_then_exit.py"
+    harness.write_text(REWARD_THEN_EXIT)
+    loops = LoopThread()
+    config = proxy_config(["http://127.0.0.1:1"], store_url, tmp_path / "spool.jsonl", rollout_id=None,
+                          run="sched", write_linger_s=30.0)
+    proxy = RunningProxy(loops, config, store)
+    try:
+        settings = SchedulerSettings(run="sched", group_size=2, concurrency=4, timeout_s=60.0, tasks_per_step=2,
+                                     max_staleness=0, lost_grace_s=0.0)
+        backend = ProcessBackend(
+            [sys.executable, str(harness)], tmp_path / "work", kill_grace_s=2.0,
+            env_for=lambda launch: {
+                "OPENAI_BASE_URL": f"{proxy.url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
+            },
+        )
+        scheduler = RolloutScheduler(store, settings, backend, [{"id": "a", "reward": 0.75}, {"id": "b", "reward": -1}])
+        run_until(scheduler, lambda: store.count_attempts("sched")[RolloutState.QUEUED] == 0 and active(store) == 0
+                  and len(store.list_attempts("sched")) == 4)
+    finally:
+        proxy.stop()
+        loops.close()
+    attempts = store.list_attempts("sched")
+    assert [(a.state, a.reason) for a in attempts] == [(RolloutState.SUCCEEDED, None)] * 4
+    assert sorted(a.reward for a in attempts) == [-1.0, -1.0, 0.75, 0.75]

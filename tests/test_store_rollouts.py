@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import insert, select
 
-from harnessrl.store import NotFound, RolloutState, TraceStore
+from harnessrl.store import AttemptSettled, NotFound, RolloutState, TraceStore
 from harnessrl.store.records import utcnow
 from harnessrl.store.schema import PolicyVersion, Run
 
@@ -44,7 +44,6 @@ def test_missing_reward_is_none_and_last_reward_wins(store: TraceStore) -> None:
     rollout_id = store.create_rollout("run", task, 0)
     assert store.get_attempt(rollout_id, 0).reward is None  # never a silent zero
     store.transition(rollout_id, 0, S.RUNNING)
-    store.finish_attempt(rollout_id, 0, S.SUCCEEDED)
     assert store.get_attempt(rollout_id, 0).reward is None
     store.set_reward(rollout_id, 0, 0.0, {"verifier": "tests", "passed": 0})
     first = store.get_attempt(rollout_id, 0)
@@ -58,6 +57,21 @@ def test_missing_reward_is_none_and_last_reward_wins(store: TraceStore) -> None:
     assert store.get_attempt(rollout_id, 0).reward == -1.25
     with pytest.raises(NotFound, match="reward not stored"):
         store.set_reward(rollout_id, 5, 1.0)
+
+
+@pytest.mark.parametrize("end", [S.SUCCEEDED, S.FAILED, S.TIMED_OUT, S.CANCELLED])
+def test_a_reward_for_a_settled_attempt_is_refused_and_the_stored_one_kept(store: TraceStore, end) -> None:
+    """The scheduler decided the outcome; a late reward must not rewrite it (nor the reward it was judged on)."""
+    [task] = store.add_tasks("run", [{"id": "t"}])
+    rollout_id = store.create_rollout("run", task, 0)
+    store.transition(rollout_id, 0, S.RUNNING)
+    store.set_reward(rollout_id, 0, 0.5, {"n": 1})
+    store.finish_attempt(rollout_id, 0, end, "settled by the test")
+    with pytest.raises(AttemptSettled, match=rf"rollout {rollout_id} attempt 0 is already {end.value}") as info:
+        store.set_reward(rollout_id, 0, 1.0, {"n": 2}, run="run")
+    assert (info.value.rollout_id, info.value.attempt, info.value.state) == (rollout_id, 0, end)
+    kept = store.get_attempt(rollout_id, 0)
+    assert (kept.state, kept.reward, kept.reward_info) == (end, 0.5, {"n": 1})
 
 
 def test_reward_and_finish_with_a_run_create_an_attempt_no_call_reached(store: TraceStore) -> None:

@@ -37,6 +37,7 @@ from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
 from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
+from harnessrl.proxy.config import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.models import TrainingRun
 from harnessrl.store import TraceStore
@@ -225,13 +226,11 @@ class LocalRun:
             sys.executable, "-m", "harnessrl.cli", "proxy", "--upstream", upstream, "--store", self.store_url,
             "--port", str(port), "--run", self.name, "--model-name", SERVED_MODEL_NAME,
             "--sampling", json.dumps(sampling), "--policy-version", str(version),
-            "--spool", str(self.run_dir / "proxy.spool"),
         ]
+        spool = resolve(self.run_dir, self.spec.proxy.spool_dir) / "proxy.spool"
         # Calls are recorded under the serving replica's weight label, as on a cluster (the learner's sync
         # labels each replica); the proxy's own version, set by the sync too, covers a replica without one.
-        env = {**os.environ, "HARNESSRL_PAUSE_MODE": self.spec.proxy.pause.mode,
-               "HARNESSRL_MAX_BODY_BYTES": str(self.spec.proxy.max_request_body_bytes),
-               "HARNESSRL_REPLICA_VERSIONS": "true"}
+        env = {**os.environ, **spec_environment(self.spec.proxy, spool), "HARNESSRL_REPLICA_VERSIONS": "true"}
         proc = self._spawn("proxy", command, env)
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):

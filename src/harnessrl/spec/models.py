@@ -149,9 +149,17 @@ class Proxy(SpecModel):
     port: int = Field(default=8080, ge=1, le=65535)
     """Port the harness reaches the proxy on (OPENAI_BASE_URL=http://127.0.0.1:<port>/v1)."""
     queue_size: int = Field(default=256, ge=1)
-    """Calls held while paused or while every upstream is busy; beyond this new calls get 503."""
+    """Captured calls, rewards and rollout ends held in memory until the store has them; while the queue is
+    full, new calls wait before they are sent upstream (the harness sees latency, nothing is lost)."""
+    queue_max_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    """The same bound in bytes (each call estimated from its request and its token count), so a few huge
+    prompts cannot fill the proxy's memory below queueSize."""
     spool_dir: str = Field(default="spool", min_length=1)
-    """Where captured calls wait when the store is unreachable, so none is lost."""
+    """Where captured calls wait when the store is unreachable, so none is lost. harnessrl run: relative to
+    the run's directory (runs/<name>/spool); on a cluster the sidecar spools to a volume of its own pod."""
+    spool_max_bytes: int = Field(default=1024 * 1024 * 1024, ge=1)
+    """Largest spool file; once full, captured calls wait in memory (then new calls wait) and the proxy's
+    /healthz answers 503 saying so, until the store is back."""
     max_request_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413."""
     pause: Pause = Field(default_factory=Pause)

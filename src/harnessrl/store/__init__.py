@@ -9,11 +9,12 @@ from harnessrl.store.delta import StoreCorruption
 from harnessrl.store.engine import StoreError
 from harnessrl.store.records import AttemptRecord, CallRecord, CallStatus, RolloutState, StoredCall
 from harnessrl.store.statements import NotFound
-from harnessrl.store.states import IllegalTransition, check_transition, is_legal
+from harnessrl.store.states import AttemptSettled, IllegalTransition, check_transition, is_legal
 from harnessrl.store.trace_store import TraceStore
 
 __all__ = [
     "AttemptRecord",
+    "AttemptSettled",
     "CallRecord",
     "CallStatus",
     "IllegalTransition",

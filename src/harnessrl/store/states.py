@@ -35,6 +35,25 @@ class IllegalTransition(ValueError):
         )
 
 
+class AttemptSettled(ValueError):
+    """A reward for an attempt whose outcome is already decided (succeeded, failed, timed out, cancelled).
+
+    Refused rather than stored: the scheduler settled the attempt without it (a harness that exited before
+    its reward was stored is a NoReward failure), and a reward written afterwards would silently turn a
+    failed rollout's row into a scored one that no state move ever accounted for.
+    """
+
+    def __init__(self, rollout_id: str, attempt: int, state: RolloutState) -> None:
+        self.rollout_id = rollout_id
+        self.attempt = attempt
+        self.state = state
+        super().__init__(
+            f"rollout {rollout_id} attempt {attempt} is already {state.value}: a reward for a settled attempt "
+            "is not stored; report the reward before the harness exits (POST /v1/reward returns once it is "
+            "stored)"
+        )
+
+
 def is_legal(from_state: RolloutState, to_state: RolloutState) -> bool:
     return to_state in LEGAL_MOVES[from_state]
 

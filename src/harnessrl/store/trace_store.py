@@ -33,7 +33,7 @@ from harnessrl.store.statements import (
     ensure_attempts,
     ensure_runs,
 )
-from harnessrl.store.states import IllegalTransition, check_transition
+from harnessrl.store.states import AttemptSettled, IllegalTransition, check_transition
 
 DELTA_COLUMNS = (
     LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq, LlmCall.base_call_id,
@@ -43,6 +43,7 @@ DELTA_COLUMNS = (
 
 
 KNOWN_ATTEMPTS_MAX = 200_000
+OPEN_STATES = [s.value for s in RolloutState if not s.terminal]  # an attempt takes a reward only while open
 
 
 class TraceStore:
@@ -307,7 +308,11 @@ class TraceStore:
         run: str | None = None,
     ) -> None:
         """Record the attempt's reward; a later call replaces it (last reward wins). With ``run``, an
-        attempt not stored yet is created first (running), as a call would create it."""
+        attempt not stored yet is created first (running), as a call would create it.
+
+        Only while the attempt is queued or running: a settled attempt raises ``AttemptSettled`` (checked in
+        the same conditional UPDATE, so a reward racing the scheduler's settlement either lands before it or
+        is refused, never written over a decided outcome)."""
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"reward must be a finite number, got {value!r}")
         if info is not None:
@@ -321,11 +326,22 @@ class TraceStore:
                 ensure_attempts(conn, self._insert, {(rollout_id, attempt): (run, None)})
             result = conn.execute(
                 update(RolloutAttempt)
-                .where(RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt)
+                .where(
+                    RolloutAttempt.rollout_id == rollout_id,
+                    RolloutAttempt.attempt == attempt,
+                    RolloutAttempt.state.in_(OPEN_STATES),
+                )
                 .values(reward=float(value), reward_info=info, reward_at=now, updated_at=now)
             )
             if result.rowcount != 1:
-                raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist; reward not stored")
+                state = conn.scalar(
+                    select(RolloutAttempt.state).where(
+                        RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt
+                    )
+                )
+                if state is None:
+                    raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist; reward not stored")
+                raise AttemptSettled(rollout_id, attempt, RolloutState(state))
 
     def get_attempt(self, rollout_id: str, attempt: int) -> AttemptRecord:
         with self._engine.connect() as conn:
