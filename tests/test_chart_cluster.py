@@ -1,0 +1,266 @@
+"""The chart installed for real: helm v4 against the test control plane (kube-apiserver, controller manager,
+scheduler, kwok nodes), and the operator running as the chart's ServiceAccount.
+
+kwok plays the kubelet, so the operator and PostgreSQL pods the chart creates are scheduled and reported
+Running and Ready but no container runs: `helm install --wait` proves the objects are admitted, scheduled and
+bound (the PostgreSQL claim binds to a hostPath PersistentVolume made here; the cluster has no provisioner),
+not that the images work. What the operator may do is proven by running the real `harnessrl operator`
+process on this machine with a token of the chart's ServiceAccount from the real apiserver: it takes a run
+through create, pods, status, events, deadline, TTL clean-up and delete, and the API server's audit log of that
+ServiceAccount must show no refused request and every granted verb used (RBAC that grants more than the
+operator does fails the test).
+
+The cluster is this module's own (not the session's `kube`): it audits the ServiceAccount, and the chart
+installs the CRD itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kube_helpers
+import pytest
+import yaml
+from test_operator_cluster import Harnesses, training_run
+
+from harnessrl.devcluster import BuildError, Cluster, ClusterError, start_cluster
+from harnessrl.devcluster.helm import HelmError, ensure_helm
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "harnessrl"
+SYSTEM = "harnessrl-system"
+RELEASE = "hrl"
+SERVICE_ACCOUNT = f"{RELEASE}-harnessrl"
+SA_USER = f"system:serviceaccount:{SYSTEM}:{SERVICE_ACCOUNT}"
+
+pytestmark = pytest.mark.slow
+wait_for = functools.partial(kube_helpers.wait_for, timeout=120.0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    try:
+        kube = start_cluster(Path(tempfile.mkdtemp(prefix="harnessrl-chart-")), audit_users=[SA_USER],
+                             log=lambda line: None)
+    except (BuildError, ClusterError) as exc:
+        if os.environ.get("HARNESSRL_TEST_KUBE_REQUIRED", "1") != "0":
+            pytest.fail(f"no Kubernetes control plane: {exc}", pytrace=False)
+        pytest.skip(f"no Kubernetes control plane: {exc} (HARNESSRL_TEST_KUBE_REQUIRED=0)")
+    try:
+        yield kube
+    finally:
+        kube.stop()
+
+
+@pytest.fixture(scope="module")
+def helm(cluster: Cluster) -> Any:
+    try:
+        binary = ensure_helm()
+    except HelmError as error:
+        pytest.fail(f"no helm: {error}", pytrace=False)
+
+    def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([str(binary), "--kubeconfig", str(cluster.kubeconfig), *args],
+                                capture_output=True, text=True, check=False, cwd=ROOT)
+        if check and result.returncode != 0:
+            pytest.fail(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stderr}", pytrace=False)
+        return result
+
+    return run
+
+
+def get(kube: Cluster, *args: str) -> dict[str, Any]:
+    return json.loads(kube.kubectl("get", *args, "-o", "json").stdout)
+
+
+def install(kube: Cluster, helm: Any, release: str, namespace: str, *values: str) -> None:
+    """helm install --wait, with a PersistentVolume for PostgreSQL's claim (no provisioner here)."""
+    kube.kubectl("create", "namespace", namespace)
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": f"data-{release}"},
+        "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"],
+                 "hostPath": {"path": f"/tmp/harnessrl-chart-{release}"}},
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps(volume))
+    helm("install", release, str(CHART), "--namespace", namespace, "--wait", "--timeout", "120s", *values)
+
+
+def released(kube: Cluster, release: str) -> set[str]:
+    """Every object labelled as the release's, namespaced or not, as kind/name."""
+    kinds = ("all,secrets,serviceaccounts,configmaps,persistentvolumeclaims,roles,rolebindings,"
+             "clusterroles,clusterrolebindings,mutatingwebhookconfigurations")
+    items = get(kube, kinds, "-A", "-l", f"app.kubernetes.io/instance={release}")["items"]
+    return {f"{item['kind']}/{item['metadata']['name']}" for item in items}
+
+
+def test_install_upgrade_and_uninstall_leave_only_the_crd_and_the_database_volume(
+    cluster: Cluster, helm: Any
+) -> None:
+    release, ns = "gone", "gone-system"
+    install(cluster, helm, release, ns)
+    assert released(cluster, release) >= {
+        "Deployment/gone-harnessrl", "StatefulSet/gone-harnessrl-postgresql",
+        "PersistentVolumeClaim/data-gone-harnessrl-postgresql-0", "ServiceAccount/gone-harnessrl",
+        "ClusterRole/gone-harnessrl", "ClusterRole/gone-harnessrl-cluster",
+        "MutatingWebhookConfiguration/gone-harnessrl-proxy-injector", "Secret/gone-harnessrl-webhook-tls",
+    }
+    pods = get(cluster, "pods", "-n", ns)["items"]
+    assert sorted(p["status"]["phase"] for p in pods) == ["Running", "Running"]  # kwok: scheduled, not run
+    get(cluster, "crd", "trainingruns.harnessrl.io")
+
+    def secrets() -> tuple[str, str]:
+        password = get(cluster, "secret", f"{release}-harnessrl-postgresql", "-n", ns)["data"]["password"]
+        return password, get(cluster, "secret", f"{release}-harnessrl-webhook-tls", "-n", ns)["data"]["ca.crt"]
+
+    before = secrets()
+    helm("upgrade", release, str(CHART), "--namespace", ns, "--wait", "--timeout", "120s")
+    assert secrets() == before, "an upgrade changed the database password or the webhook CA"
+    ca_bundle = get(cluster, "mutatingwebhookconfiguration", f"{release}-harnessrl-proxy-injector")
+    assert ca_bundle["webhooks"][0]["clientConfig"]["caBundle"] == before[1]
+
+    helm("uninstall", release, "--namespace", ns, "--wait", "--timeout", "120s")
+    assert released(cluster, release) == {"PersistentVolumeClaim/data-gone-harnessrl-postgresql-0"}
+    get(cluster, "crd", "trainingruns.harnessrl.io")
+
+
+def token_kubeconfig(kube: Cluster, directory: Path) -> Path:
+    """A kubeconfig that authenticates with a token the API server issued to the chart's ServiceAccount."""
+    token = kube.kubectl("create", "token", SERVICE_ACCOUNT, "-n", SYSTEM, "--duration=1h").stdout.strip()
+    admin = yaml.safe_load(kube.kubeconfig.read_text())
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": admin["clusters"],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": admin["clusters"][0]["name"], "user": "operator"}}],
+        "current-context": "operator",
+    }
+    path = directory / "operator.kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def granted(kube: Cluster) -> set[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every rule of the release's ClusterRoles."""
+    out = set()
+    for name in (SERVICE_ACCOUNT, f"{SERVICE_ACCOUNT}-cluster"):
+        for rule in get(kube, "clusterrole", name)["rules"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    out |= {(group, resource, verb) for verb in rule["verbs"]}
+    return out
+
+
+def audited(kube: Cluster) -> tuple[set[tuple[str, str, str]], list[str]]:
+    """What the ServiceAccount did, as (apiGroup, resource, verb), and every refused request. A server-side
+    apply that created its object (PATCH answered 201) needed create as well as patch."""
+    used, refused = set(), []
+    for line in kube.audit_log.read_text().splitlines():
+        event = json.loads(line)
+        ref = event.get("objectRef")
+        if event["user"]["username"] != SA_USER or event["stage"] != "ResponseComplete" or not ref:
+            continue
+        resource = ref["resource"] + (f"/{ref['subresource']}" if ref.get("subresource") else "")
+        code = event.get("responseStatus", {}).get("code")
+        if code == 403:
+            refused.append(f"{event['verb']} {resource} in {ref.get('namespace', '(cluster)')}")
+        used.add((ref.get("apiGroup", ""), resource, event["verb"]))
+        if event["verb"] == "patch" and code == 201:
+            used.add((ref.get("apiGroup", ""), resource, "create"))
+    return used, refused
+
+
+@pytest.mark.postgres
+def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactly_its_rights(
+    cluster: Cluster, helm: Any, pg_url: str, tmp_path: Path
+) -> None:
+    install(cluster, helm, RELEASE, SYSTEM, "--set", "webhook.enabled=false")
+    ns, run = "team-a", "rbac"
+    cluster.kubectl("create", "namespace", ns)
+    # The spec names a Secret (the store) and a ConfigMap (the tasks): the operator reads both.
+    cluster.kubectl("create", "secret", "generic", "store", "-n", ns, f"--from-literal=url={pg_url}")
+    tasks = "\n".join(json.dumps({"id": f"t{i}", "data": {"q": i}}) for i in range(4))
+    cluster.kubectl("create", "configmap", "tasks", "-n", ns, f"--from-literal=tasks.jsonl={tasks}")
+    doc = training_run(run, pg_url)
+    doc["spec"]["store"] = {"postgres": {"secretRef": {"name": "store", "key": "url"}}}
+    doc["spec"]["harness"]["tasks"] = {"configMap": {"name": "tasks", "key": "tasks.jsonl"}}
+    # It ends by its deadline (no learner runs here), and its children go at once (the TTL clean-up).
+    doc["spec"].update(activeDeadlineSeconds=25, ttlSecondsAfterFinished=0)
+
+    env = {**os.environ, "KUBECONFIG": str(token_kubeconfig(cluster, tmp_path))}
+    log_path = tmp_path / "operator.log"
+    harnesses = Harnesses(cluster, ns, run, pg_url, lambda rollout, attempt: (1.0, 0))
+    with open(log_path, "wb") as log:
+        operator = subprocess.Popen(
+            [str(Path(sys.executable).parent / "harnessrl"), "operator", "--metrics-port", "0",
+             "--liveness", "http://127.0.0.1:0/healthz"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/",
+        )
+    try:
+        cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+        harnesses.start()
+        wait_for("a harness pod to succeed", lambda: harnesses.seen)
+        status = wait_for(
+            "the run to fail by its deadline",
+            lambda: s if (s := get(cluster, "tr", run, "-n", ns).get("status", {})).get("phase") == "Failed" else None,
+        )
+        assert status["reason"] == "DeadlineExceeded", status
+        wait_for(
+            "the TTL clean-up to delete the run's children",
+            lambda: not get(cluster, "deployments,jobs,services,secrets,networkpolicies", "-n", ns,
+                            "-l", f"harnessrl.io/run={run}")["items"],
+        )
+        events = get(cluster, "events", "-n", ns, "--field-selector", f"involvedObject.name={run}")["items"]
+        assert {"DeadlineExceeded", "CleanedUp"} <= {e["reason"] for e in events}
+        cluster.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+    finally:
+        harnesses.close()
+        operator.terminate()
+        operator.wait(30)
+        output = log_path.read_text(errors="replace")
+        run_now = cluster.kubectl("get", "tr", run, "-n", ns, "-o", "json", check=False).stdout
+        # Shown when the test fails:
+        print(f"operator exit code {operator.returncode}, log (tail):\n{output[-6000:]}\nrun: {run_now[-3000:]}")
+    # The API server logs a watch when it ends: the operator's TrainingRun watch ended with the process.
+    wait_for("the operator's watches in the audit log",
+             lambda: ("harnessrl.io", "trainingruns", "watch") in audited(cluster)[0])
+    used, refused = audited(cluster)
+    assert not refused, f"the chart's RBAC refused the operator: {refused}\n{output[-3000:]}"
+    assert "Forbidden" not in output and "403" not in output, output[-3000:]
+    unused = granted(cluster) - used
+    assert not unused, f"the ClusterRoles grant what the operator never did: {sorted(unused)}"
+
+
+def test_the_service_account_cannot_do_what_the_operator_does_not(cluster: Cluster, helm: Any) -> None:
+    """Impersonation through the real authorizer: with watchNamespaces the workload rights hold only there."""
+    cluster.kubectl("create", "namespace", "team-b")
+    install(cluster, helm, "narrow", "narrow-system", "--set", "operator.watchNamespaces={team-b}",
+            "--set", "webhook.enabled=false,postgresql.enabled=false,store.existingSecret=store")
+    user = "system:serviceaccount:narrow-system:narrow-harnessrl"
+
+    def can(*args: str) -> bool:
+        result = cluster.kubectl("auth", "can-i", *args, f"--as={user}", check=False)
+        return result.stdout.strip() == "yes"
+
+    assert can("get", "secrets", "-n", "team-b") and can("create", "pods", "-n", "team-b")
+    assert can("patch", "trainingruns.harnessrl.io", "--subresource=status", "-n", "team-b")
+    assert can("list", "customresourcedefinitions.apiextensions.k8s.io")
+    assert not can("get", "secrets", "-n", "kube-system")
+    assert not can("list", "secrets", "--all-namespaces")
+    assert not can("create", "pods", "-n", "default")
+    assert not can("delete", "nodes")
+    assert not can("create", "pods", "--subresource=exec", "-n", "team-b")
+    assert not can("update", "trainingruns.harnessrl.io", "-n", "team-b")
+    assert not can("get", "pods", "-n", "team-b")  # it knows its pods from list and watch only
+    assert not can("create", "clusterrolebindings")
+    assert not can("patch", "customresourcedefinitions.apiextensions.k8s.io")
