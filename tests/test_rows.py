@@ -200,7 +200,6 @@ def test_calls_from_records_feeds_full_records_through_the_same_builder():
     [
         ([call("a", 0, [1], [2]), call("b", 1, [1], [2], rollout="other")], {}, r"calls\[1\]: belongs to rollout"),
         ([call("a", 0, [1], [2]), call("a", 1, [1], [2])], {}, r"calls\[1\]\.call_id: 'a' appears twice"),
-        ([call("a", 1, [1], [2]), call("b", 1, [1], [2]), call("c", 0, [1], [2])], {}, "share seq 1"),
         ([], {"mode": "rows"}, "mode: 'rows' is not a row mode"),
         ([], {"max_row_tokens": 0}, "max_row_tokens: 0 is below 1"),
     ],
@@ -209,6 +208,19 @@ def test_bad_input_is_a_one_line_error_naming_the_field(calls, kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         merge_calls_into_rows(calls, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_an_attempt_with_two_calls_at_one_seq_is_skipped_with_a_warning_naming_it(caplog):
+    """Which of the two came first is unknown, so the attempt trains nothing; the learner goes on."""
+    calls = [call("a", 1, [1], [2], rollout="r9", attempt=2), call("b", 1, [1], [3], rollout="r9", attempt=2),
+             call("c", 0, [1], [2], rollout="r9", attempt=2)]
+    with caplog.at_level("WARNING", logger="harnessrl.trainer.rows"):
+        result = merge_calls_into_rows(calls)
+    assert result.rows == []
+    metrics = result.stats.as_metrics()
+    assert (metrics["calls"], metrics["dropped_duplicate_seq"], metrics["kept_calls"]) == (3, 3, 0)
+    [record] = caplog.records
+    assert "rollout r9 attempt 2" in record.getMessage() and "'a' and 'b' share seq 1" in record.getMessage()
 
 
 def test_stats_add_up_and_flatten_for_metrics():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -340,3 +341,15 @@ def test_calls_numbered_from_zero_again_after_a_proxy_restart_go_after_the_store
     assert [c.parent_call_id for c in stored] == [None] + [c.call_id for c in calls[:-1]]  # deltas chain on
     assert store.add_calls(restarted) == 0  # a replay of the same calls is still skipped by call_id
     assert [c.seq for c in store.read_calls("r", 0)] == list(range(6))
+
+
+def test_two_calls_at_one_place_in_one_batch_are_both_kept_in_the_order_made(store: TraceStore) -> None:
+    """The table holds one call per (rollout, attempt, seq); a batch with two (a forgotten counter, two spools
+    replayed together) keeps the first made in place and stores the other after the attempt's last call."""
+    calls = chat_trajectory("twins", 3, seed=7)
+    late = dataclasses.replace(calls[2], call_id="late", seq=1, created_at=calls[2].created_at + timedelta(hours=1))
+    assert store.add_calls([calls[0], late, calls[1], calls[2]]) == 4
+    stored = store.read_calls("twins", 0)
+    assert [c.call_id for c in stored] == [c.call_id for c in calls] + ["late"]
+    assert [c.seq for c in stored] == [0, 1, 2, 3]
+    assert stored[:3] == calls and stored[3] == dataclasses.replace(late, seq=3)

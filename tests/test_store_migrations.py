@@ -166,3 +166,34 @@ def test_postgres_stores_arrays_as_bytea_and_json_as_exact_text(pg_url: str) -> 
     assert {types[c] for c in ("prompt_suffix", "completion_ids", "logprobs", "context_digest")} == {"bytea"}
     assert {types[c] for c in ("request", "response", "response_stripped")} == {"json"}
     assert types["created_at"] == "timestamp with time zone"
+
+
+def test_upgrade_keeps_the_first_of_duplicate_calls_and_every_kept_call_rebuilds_exactly(store_url: str) -> None:
+    """A store written before the unique (rollout, attempt, seq) constraint may hold two calls at one place;
+    the upgrade keeps the one made first, deletes the other, and re-encodes in full a kept call that was a
+    delta against the deleted one."""
+    import dataclasses
+    from datetime import timedelta
+
+    from sqlalchemy.exc import IntegrityError
+    from synthetic_calls import chat_trajectory
+
+    from harnessrl.store.migrate import upgrade
+
+    calls = chat_trajectory("dup", turns=3, seed=5)
+    twin = dataclasses.replace(calls[1], call_id="twin", created_at=calls[1].created_at + timedelta(seconds=1))
+    with TraceStore.connect(store_url) as store:
+        upgrade(store.engine, "0001")
+        store.add_calls(calls[:2])
+        store.add_calls([twin])  # its place is taken: stored at seq 2, a delta against calls[1]
+        store.add_calls([dataclasses.replace(calls[2], seq=3)])  # a delta against the twin
+        with store.engine.begin() as conn:  # the duplicate as an older store could hold it
+            conn.execute(text("UPDATE llm_calls SET seq = 1 WHERE call_id = 'twin'"))
+            conn.execute(text("UPDATE llm_calls SET seq = 2 WHERE call_id = :id"), {"id": calls[2].call_id})
+        assert [c.parent_call_id for c in store.rollout_calls("dup", 0)][-1] == "twin"
+        assert store.upgrade() == head_revision()
+        assert schema_diffs(store) == []
+        assert store.read_calls("dup", 0) == calls  # the first made at seq 1 kept; the others bit-exact
+        assert [c.parent_call_id for c in store.rollout_calls("dup", 0)] == [None, calls[0].call_id, None]
+        with pytest.raises(IntegrityError), store.engine.begin() as conn:
+            conn.execute(text("UPDATE llm_calls SET seq = 0 WHERE call_id = :id"), {"id": calls[1].call_id})

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import logging
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ import numpy as np
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
 
 RowMode = Literal["merge", "transition"]
+log = logging.getLogger(__name__)
 
 
 class SplitReason(str, enum.Enum):
@@ -77,6 +79,7 @@ class DropReason(str, enum.Enum):
     PROMPT_TOO_LONG = "prompt_too_long"
     ROW_TOO_LONG = "row_too_long"
     MISSING_PARENT = "missing_parent"
+    DUPLICATE_SEQ = "duplicate_seq"  # every call of an attempt where two calls share a seq (order unknown)
 
 
 @dataclass(frozen=True, eq=False)
@@ -199,8 +202,12 @@ def merge_calls_into_rows(
     for name, limit in (("max_prompt_tokens", max_prompt_tokens), ("max_row_tokens", max_row_tokens)):
         if limit is not None and limit < 1:
             raise ValueError(f"{name}: {limit} is below 1; pass a positive token count or None for no limit")
-    ordered = _checked_order(calls)
     builder = _RowBuilder(max_prompt_tokens, max_row_tokens)
+    ordered = _checked_order(calls)
+    if ordered is None:  # two calls at one seq: the trajectory's order is unknown, so it trains nothing
+        builder.stats.calls = len(calls)
+        builder.stats.dropped[DropReason.DUPLICATE_SEQ.value] += len(calls)
+        return RowsResult([], builder.stats)
     for call in ordered:
         builder.add(call)
     if not ordered:
@@ -209,8 +216,13 @@ def merge_calls_into_rows(
     return builder.finish(first.rollout_id, first.attempt, mode)
 
 
-def _checked_order(calls: Sequence[StoredCall]) -> list[StoredCall]:
-    """One rollout attempt, unique call ids, in seq order (the store already returns them so)."""
+def _checked_order(calls: Sequence[StoredCall]) -> list[StoredCall] | None:
+    """One rollout attempt, unique call ids, in seq order (the store already returns them so).
+
+    None when two calls share a seq (a store from before the unique constraint, or input built by hand):
+    which came first is unknown, so no row can be trusted. The attempt is skipped with a warning naming it
+    and its calls counted as ``duplicate_seq``, instead of an error that would stop the learner on that
+    group at every step."""
     if not calls:
         return []
     first = calls[0]
@@ -234,7 +246,12 @@ def _checked_order(calls: Sequence[StoredCall]) -> list[StoredCall]:
     ordered = sorted(calls, key=lambda c: c.seq)
     for a, b in itertools.pairwise(ordered):
         if a.seq == b.seq:
-            raise ValueError(f"calls: {a.call_id!r} and {b.call_id!r} share seq {a.seq}; seq must be unique")
+            log.warning(
+                "rollout %s attempt %d: calls %r and %r share seq %d, so the order of its calls is unknown; "
+                "skipped (no rows; counted as dropped_duplicate_seq). `harnessrl db upgrade` removes such "
+                "duplicates from a store", first.rollout_id, first.attempt, a.call_id, b.call_id, a.seq,
+            )  # fmt: skip
+            return None
     return ordered
 
 

@@ -8,7 +8,8 @@ A predecessor is taken from the same batch or from its stored row's digests, nev
 delta always references a row that exists. The one lookup that finds stored predecessors (one statement on
 PostgreSQL) also finds the batch's call_ids stored already and stored calls holding a batch call's (rollout,
 attempt, seq): a proxy that restarted numbers from 0 again, and its calls are placed after the stored ones
-(``_renumber_restarted``). JSON columns are written as the text ``encode`` produced when it checked them
+(``_renumber_restarted``); two calls of the batch at one place are separated the same way
+(``_renumber_twins``), since the table holds one call per (rollout, attempt, seq). JSON columns are written as the text ``encode`` produced when it checked them
 (serialised once).
 """
 
@@ -94,8 +95,10 @@ def write_calls(
     new = [p for call_id, p in sorted(prepared.items()) if call_id not in existing]  # sorted: one lock order
     if not new:
         return 0
+    _renumber_twins(conn, new, stored)
     if any(p.key in stored for p in new):
         _renumber_restarted(conn, new, stored)
+        _renumber_twins(conn, new, stored)  # a restarted numbering moved onto a place the batch holds
     in_batch: dict[Key, PreparedCall] = {}
     for p in new:
         in_batch.setdefault(p.key, p)
@@ -132,14 +135,7 @@ def _renumber_restarted(conn: Connection, new: list[PreparedCall], stored: dict[
     for p in new:
         by_attempt.setdefault((p.record.rollout_id, p.record.attempt), []).append(p)
     clashing = sorted({(p.record.rollout_id, p.record.attempt) for p in new if p.key in stored})
-    tops: dict[tuple[str, int], int] = {}
-    for chunk in chunks(clashing):
-        query = (
-            select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq))
-            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt).in_(list(chunk)))
-            .group_by(LlmCall.rollout_id, LlmCall.attempt)
-        )
-        tops.update(((rollout_id, attempt), top) for rollout_id, attempt, top in conn.execute(query))
+    tops = _top_seqs(conn, clashing)
     for key in clashing:
         calls = sorted(by_attempt[key], key=lambda p: p.record.seq)
         first = next(i for i, p in enumerate(calls) if p.key in stored)
@@ -154,10 +150,65 @@ def _renumber_restarted(conn: Connection, new: list[PreparedCall], stored: dict[
     stored.update(_stored_anchors(conn, wanted))
 
 
+def _renumber_twins(conn: Connection, new: list[PreparedCall], stored: dict[Key, Anchor]) -> None:
+    """Place calls that share a (rollout, attempt, seq) with another call of the batch after the attempt's last.
+
+    Two numberings of one attempt in one batch (a proxy that forgot an attempt's counter, two writers' spools
+    replayed together): the unique constraint allows one call per place, so the first made (``created_at``,
+    then ``call_id``) keeps it and the others follow the attempt's highest seq, stored or in the batch, in the
+    order they were made; nothing is dropped.
+    """
+    first: dict[Key, PreparedCall] = {}
+    twins: list[PreparedCall] = []
+    for p in sorted(new, key=lambda p: (p.record.created_at, p.record.call_id)):
+        if p.key in first:
+            twins.append(p)
+        else:
+            first[p.key] = p
+    if not twins:
+        return
+    attempts = {(p.record.rollout_id, p.record.attempt) for p in twins}
+    tops = _top_seqs(conn, sorted(attempts))
+    for p in new:
+        key = (p.record.rollout_id, p.record.attempt)
+        if key in attempts:
+            tops[key] = max(tops.get(key, -1), p.record.seq)
+    for p in twins:
+        key = (p.record.rollout_id, p.record.attempt)
+        tops[key] += 1
+        log.warning(
+            "rollout %s attempt %d: calls %s and %s share seq %d in one batch; %s stored at seq %d",
+            key[0], key[1], first[p.key].record.call_id, p.record.call_id, p.record.seq, p.record.call_id,
+            tops[key],
+        )  # fmt: skip
+        p.record = replace(p.record, seq=tops[key])
+    wanted = {k for p in new if (k := p.predecessor_key) is not None and k not in stored}
+    stored.update(_stored_anchors(conn, wanted))
+
+
+def _top_seqs(conn: Connection, attempts: list[tuple[str, int]]) -> dict[tuple[str, int], int]:
+    """The highest stored seq of each of ``attempts`` that has a stored call."""
+    tops: dict[tuple[str, int], int] = {}
+    for chunk in chunks(attempts):
+        query = (
+            select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq))
+            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt).in_(list(chunk)))
+            .group_by(LlmCall.rollout_id, LlmCall.attempt)
+        )
+        tops.update(((rollout_id, attempt), top) for rollout_id, attempt, top in conn.execute(query))
+    return tops
+
+
 def _insert_with_json_text(insert: DialectInsert) -> Any:
     """The plain insert, but the JSON columns bound as the text ``encode`` produced (not serialised again)."""
     texts = {name: bindparam(f"{name}__text", type_=Text()) for name in JSON_COLUMNS}
-    return insert(LlmCall).values(texts).on_conflict_do_nothing().returning(LlmCall.call_id)
+    # The target is call_id only: a call at a place another call holds is an error to see, never a skip.
+    return (
+        insert(LlmCall)
+        .values(texts)
+        .on_conflict_do_nothing(index_elements=[LlmCall.call_id])
+        .returning(LlmCall.call_id)
+    )
 
 
 def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:

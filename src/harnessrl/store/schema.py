@@ -27,6 +27,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -180,7 +181,9 @@ class LlmCall(Base):
         ForeignKeyConstraint(
             ["rollout_id", "attempt"], ["rollout_attempts.rollout_id", "rollout_attempts.attempt"]
         ),
-        Index(None, "rollout_id", "attempt", "seq"),
+        # One call per place in a trajectory: two calls at one (rollout, attempt, seq) make its order
+        # undefined and the learner cannot build its rows. Also the index the per-attempt reads use.
+        UniqueConstraint("rollout_id", "attempt", "seq"),
         Index(None, "run", "created_at"),
     )
 
