@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import base64
 import datetime
+import importlib.util
+import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -121,7 +124,8 @@ def test_the_all_options_file_sets_every_documented_value_differently() -> None:
                                                              for o in _leaves(options))}
     assert not missing, f"charts/harnessrl/ci/all-options-values.yaml does not set {sorted(missing)}"
     same = {leaf for leaf in _leaves(defaults) & _leaves(options) if _get(defaults, leaf) == _get(options, leaf)}
-    assert same == {"rbac.create", "serviceAccount.create", "webhook.enabled", "monitoring.enabled"}
+    assert same == {"rbac.create", "serviceAccount.create", "webhook.enabled", "monitoring.enabled",
+                    "dashboards.enabled"}
 
 
 def _get(values: dict[str, Any], path: str) -> Any:
@@ -325,3 +329,77 @@ def test_watched_namespaces_bind_workload_rights_only_there(helm: Path) -> None:
     assert {res for rule in cluster_role["rules"] for res in rule["resources"]} == {
         "customresourcedefinitions", "namespaces"
     }
+
+
+# --- dashboards ------------------------------------------------------------------------------------------------
+
+METRIC = re.compile(r"\bharnessrl_[a-z_]+\b")
+SUFFIXES = {"counter": ("_total", "_created"), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count", "_created")}
+
+
+def _generator() -> Any:
+    spec = importlib.util.spec_from_file_location("harnessrl_chart_dashboards", ROOT / "charts" / "dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _exported_series() -> set[str]:
+    """Every series name the proxy, learner and operator registries can expose (labelled metrics have no
+    samples until used, so names come from each family's type)."""
+    from harnessrl.operator.metrics import OperatorMetrics
+    from harnessrl.proxy.metrics import ProxyMetrics
+    from harnessrl.trainer.metrics import LearnerMetrics
+
+    names = set()
+    for metrics in (ProxyMetrics(), LearnerMetrics(), OperatorMetrics()):
+        for family in metrics.registry.collect():
+            names |= {family.name + suffix for suffix in SUFFIXES[family.type]}
+    return names
+
+
+def _panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
+    return [panel for panel in dashboard["panels"] if panel["type"] != "row"]
+
+
+def test_the_charts_dashboards_are_what_the_generator_makes() -> None:
+    generated = _generator().render()
+    on_disk = {path.name: path.read_text() for path in (CHART / "dashboards").glob("*.json")}
+    assert on_disk == generated, "charts/harnessrl/dashboards/ is stale: run python charts/dashboards.py"
+
+
+def test_every_dashboard_query_names_an_exported_metric_and_every_panel_is_complete() -> None:
+    exported = _exported_series()
+    dashboards = {name: json.loads(text) for name, text in _generator().render().items()}
+    assert set(dashboards) == {"runs.json", "proxy.json", "learner.json", "operator.json"}
+    for name, dashboard in dashboards.items():
+        variables = {v["name"] for v in dashboard["templating"]["list"]}
+        assert {"datasource", "namespace", "run"} <= variables, name
+        for variable in dashboard["templating"]["list"]:
+            assert set(METRIC.findall(str(variable.get("query", "")))) <= exported, (name, variable["name"])
+        for panel in _panels(dashboard):
+            where = f"{name}: panel {panel.get('title')!r}"
+            assert panel.get("title") and panel.get("datasource", {}).get("uid"), where
+            assert panel["fieldConfig"]["defaults"].get("unit"), f"{where} has no unit"
+            assert panel["targets"], f"{where} has no query"
+            for target in panel["targets"]:
+                assert target["datasource"] == panel["datasource"] and target["refId"], where
+                used = set(METRIC.findall(target["expr"]))
+                assert used and used <= exported, f"{where}: {sorted(used - exported)} is exported by no code"
+
+
+def test_a_query_on_a_metric_nobody_exports_is_caught() -> None:
+    assert "harnessrl_proxy_requests_total" in _exported_series()
+    assert "harnessrl_proxy_requests" not in _exported_series()  # a counter is exposed with _total
+
+
+def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path) -> None:
+    docs = render(helm, "-f", str(ALL_OPTIONS))
+    maps = {m["metadata"]["name"]: m for m in by_kind(docs, "ConfigMap")}
+    assert len(maps) == 4
+    for config_map in maps.values():
+        assert config_map["metadata"]["labels"]["grafana_dashboard_harnessrl"] == "yes"
+        assert config_map["metadata"]["namespace"] == "monitoring"
+        (file_name, text), = config_map["data"].items()
+        assert json.loads(text) == json.loads((CHART / "dashboards" / file_name).read_text())
+    assert not by_kind(render(helm, "--set", "dashboards.enabled=false"), "ConfigMap")
