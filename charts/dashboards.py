@@ -75,82 +75,88 @@ def base(title: str, uid: str, description: str) -> Dashboard:
     )
 
 
+def rate(metric: str, by: str = "") -> str:
+    """Per second over Grafana's rate interval, summed (by ``by``) over the selected runs' series."""
+    group = f" by ({by}) " if by else ""
+    return f"sum{group}(rate({metric}{{{RUN}}}[{RATE}]))"
+
+
+def of(metric: str, aggregate: str = "sum", by: str = "") -> str:
+    group = f" by ({by}) " if by else ""
+    return f"{aggregate}{group}({metric}{{{RUN}}})"
+
+
+Queries = tuple[tuple[str, str], ...]
+"""(PromQL, legend) pairs of one panel."""
+
+
+def panels(board: Dashboard, rows: dict[str, list[tuple[str, str, Queries] | Timeseries]]) -> Dashboard:
+    """Rows of time series panels, each given as (title, unit, queries) or already built."""
+    for row, contents in rows.items():
+        board = board.with_row(Row(row))
+        for item in contents:
+            if not isinstance(item, tuple):
+                board = board.with_panel(item)
+                continue
+            title, unit, queries = item
+            board = board.with_panel(timeseries(title, unit, *(query(expr, legend) for expr, legend in queries)))
+    return board
+
+
 def run_overview() -> Dashboard:
-    return (
+    board = (
         base("harnessrl / runs", "harnessrl-runs", "Phase, progress, reward and rollouts of TrainingRuns.")
         .with_row(Row("Progress"))
-        .with_panel(stat("Phase", "none", query(f"max by (phase) (harnessrl_operator_run_phase{{{RUN}}}) == 1",
+        .with_panel(stat("Phase", "none", query(f"{of('harnessrl_operator_run_phase', 'max', 'phase')} == 1",
                                                 "{{phase}}")))
-        .with_panel(stat("Step", "none", query(f"max(harnessrl_learner_step{{{RUN}}})")))
-        .with_panel(stat("Policy version", "none", query(f"max(harnessrl_learner_policy_version{{{RUN}}})")))
-        .with_panel(stat("Replicas' synced version", "none",
-                         query(f"min(harnessrl_learner_synced_version{{{RUN}}})")))
-        .with_row(Row("Reward"))
-        .with_panel(timeseries(
-            "Reward mean and spread per step", "none",
-            query(f"harnessrl_learner_reward_mean{{{RUN}}}", "mean {{run}}"),
-            query(f"harnessrl_learner_reward_mean{{{RUN}}} + harnessrl_learner_reward_std{{{RUN}}}", "+1 sd {{run}}"),
-            query(f"harnessrl_learner_reward_mean{{{RUN}}} - harnessrl_learner_reward_std{{{RUN}}}", "-1 sd {{run}}"),
-        ))
-        .with_panel(timeseries(
-            "Rollouts by state", "none",
-            query(f"sum by (state) (harnessrl_operator_rollouts{{{RUN}}})", "{{state}}"),
-        ))
-        .with_panel(timeseries(
-            "Rollouts per second", "ops",
-            query(f"sum by (run) (rate(harnessrl_learner_rollouts_consumed_total{{{RUN}}}[{RATE}]))",
-                  "consumed {{run}}"),
-            query(f"sum by (run) (rate(harnessrl_operator_pods_created_total{{{RUN}}}[{RATE}]))",
-                  "pods started {{run}}"),
-        ))
-        .with_panel(timeseries(
-            "Zero-variance groups per second", "ops",
-            query(f"sum by (run) (rate(harnessrl_learner_zero_variance_groups_total{{{RUN}}}[{RATE}]))", "{{run}}"),
-            description="Task groups whose rewards were all equal: they give no gradient.",
-        ))
+        .with_panel(stat("Step", "none", query(of("harnessrl_learner_step", "max"))))
+        .with_panel(stat("Policy version", "none", query(of("harnessrl_learner_policy_version", "max"))))
+        .with_panel(stat("Replicas' synced version", "none", query(of("harnessrl_learner_synced_version", "min"))))
     )
+    mean, spread = f"harnessrl_learner_reward_mean{{{RUN}}}", f"harnessrl_learner_reward_std{{{RUN}}}"
+    return panels(board, {
+        "Reward and rollouts": [
+            ("Reward mean and spread per step", "none",
+             ((mean, "mean {{run}}"), (f"{mean} + {spread}", "+1 sd {{run}}"), (f"{mean} - {spread}", "-1 sd {{run}}"))),
+            ("Rollouts by state", "none", ((of("harnessrl_operator_rollouts", by="state"), "{{state}}"),)),
+            ("Rollouts per second", "ops",
+             ((rate("harnessrl_learner_rollouts_consumed_total", "run"), "consumed {{run}}"),
+              (rate("harnessrl_operator_pods_created_total", "run"), "pods started {{run}}"))),
+            timeseries("Zero-variance groups per second", "ops",
+                       query(rate("harnessrl_learner_zero_variance_groups_total", "run"), "{{run}}"),
+                       description="Task groups whose rewards were all equal: they give no gradient."),
+        ],
+    })
 
 
 def proxy() -> Dashboard:
-    return (
-        base("harnessrl / capture proxy", "harnessrl-proxy", "The capture proxies of every harness pod.")
-        .with_row(Row("Traffic"))
-        .with_panel(timeseries(
-            "Requests per second", "reqps",
-            query(f"sum by (route, status) (rate(harnessrl_proxy_requests_total{{{RUN}}}[{RATE}]))",
-                  "{{route}} {{status}}"),
-        ))
-        .with_panel(timeseries("Request latency", "s", *quantiles("harnessrl_proxy_request_seconds")))
-        .with_panel(timeseries("Upstream latency", "s", *quantiles("harnessrl_proxy_upstream_seconds")))
-        .with_panel(timeseries(
-            "Tokens per second", "short",
-            query(f"sum(rate(harnessrl_proxy_prompt_tokens_total{{{RUN}}}[{RATE}]))", "prompt"),
-            query(f"sum(rate(harnessrl_proxy_completion_tokens_total{{{RUN}}}[{RATE}]))", "completion"),
-        ))
-        .with_row(Row("Capture"))
-        .with_panel(timeseries(
-            "Capture queue", "short",
-            query(f"sum(harnessrl_proxy_queue_depth{{{RUN}}})", "items"),
-            query(f"sum(harnessrl_proxy_in_flight{{{RUN}}})", "calls in flight"),
-        ))
-        .with_panel(timeseries(
-            "Spooled and replayed calls per second", "ops",
-            query(f"sum(rate(harnessrl_proxy_spooled_items_total{{{RUN}}}[{RATE}]))", "spooled"),
-            query(f"sum(rate(harnessrl_proxy_replayed_items_total{{{RUN}}}[{RATE}]))", "replayed"),
-            query(f"sum(harnessrl_proxy_spool_pending{{{RUN}}})", "pending"),
-            description="Spooled: the store was unreachable; replayed into it later.",
-        ))
-        .with_panel(timeseries(
-            "Paused for a weight sync", "none",
-            query(f"sum by (run) (harnessrl_proxy_paused{{{RUN}}})", "paused proxies {{run}}"),
-            query(f"max by (run) (harnessrl_proxy_policy_version{{{RUN}}})", "policy version {{run}}"),
-        ))
-        .with_panel(timeseries(
-            "Store write errors per second", "ops",
-            query(f"sum(rate(harnessrl_proxy_write_errors_total{{{RUN}}}[{RATE}]))", "errors"),
-            query(f"sum(harnessrl_proxy_writer_failing{{{RUN}}})", "failing writers"),
-        ))
-    )
+    board = base("harnessrl / capture proxy", "harnessrl-proxy", "The capture proxies of every harness pod.")
+    return panels(board, {
+        "Traffic": [
+            ("Requests per second", "reqps",
+             ((rate("harnessrl_proxy_requests_total", "route, status"), "{{route}} {{status}}"),)),
+            timeseries("Request latency", "s", *quantiles("harnessrl_proxy_request_seconds")),
+            timeseries("Upstream latency", "s", *quantiles("harnessrl_proxy_upstream_seconds")),
+            ("Tokens per second", "short",
+             ((rate("harnessrl_proxy_prompt_tokens_total"), "prompt"),
+              (rate("harnessrl_proxy_completion_tokens_total"), "completion"))),
+        ],
+        "Capture": [
+            ("Capture queue", "short",
+             ((of("harnessrl_proxy_queue_depth"), "items"), (of("harnessrl_proxy_in_flight"), "calls in flight"))),
+            timeseries("Spooled and replayed calls per second", "ops",
+                       query(rate("harnessrl_proxy_spooled_items_total"), "spooled"),
+                       query(rate("harnessrl_proxy_replayed_items_total"), "replayed"),
+                       query(of("harnessrl_proxy_spool_pending"), "pending"),
+                       description="Spooled: the store was unreachable; replayed into it later."),
+            ("Paused for a weight sync", "none",
+             ((of("harnessrl_proxy_paused", by="run"), "paused proxies {{run}}"),
+              (of("harnessrl_proxy_policy_version", "max", "run"), "policy version {{run}}"))),
+            ("Store write errors per second", "ops",
+             ((rate("harnessrl_proxy_write_errors_total"), "errors"),
+              (of("harnessrl_proxy_writer_failing"), "failing writers"))),
+        ],
+    })
 
 
 def learner() -> Dashboard:
@@ -158,50 +164,43 @@ def learner() -> Dashboard:
         return timeseries(title, unit, *(query(f"harnessrl_learner_{n}{{{RUN}}}", f"{n} {{{{run}}}}")
                                          for n in names), description=description)
 
-    return (
-        base("harnessrl / learner", "harnessrl-learner", "Losses, clipping, KL and throughput of the learner.")
-        .with_row(Row("Optimisation"))
-        .with_panel(gauge("Loss", "none", "loss", "pg_loss"))
-        .with_panel(gauge("Clip fractions", "percentunit", "clip_frac", "clip_frac_low", "clip_frac_high"))
-        .with_panel(gauge("KL", "none", "approx_kl", "rollout_kl",
-                          description="approx_kl: step-start vs current policy; rollout_kl: current vs rollout."))
-        .with_panel(gauge("Entropy", "none", "entropy"))
-        .with_panel(gauge("Gradient norm", "none", "grad_norm"))
-        .with_panel(gauge("Tokens per second", "short", "tokens_per_second"))
-        .with_row(Row("Off-policy"))
-        .with_panel(gauge("Rollout vs learner log-probs", "none", "logprob_abs_diff", "logprob_pearson",
-                          description="Mean |difference| and correlation on the same generated tokens."))
-        .with_panel(gauge("Staleness", "none", "staleness_mean", "staleness_max"))
-        .with_panel(gauge("Step time", "s", "step_seconds", "train_seconds", "sync_seconds"))
-    )
+    board = base("harnessrl / learner", "harnessrl-learner", "Losses, clipping, KL and throughput of the learner.")
+    return panels(board, {
+        "Optimisation": [
+            gauge("Loss", "none", "loss", "pg_loss"),
+            gauge("Clip fractions", "percentunit", "clip_frac", "clip_frac_low", "clip_frac_high"),
+            gauge("KL", "none", "approx_kl", "rollout_kl",
+                  description="approx_kl: step-start vs current policy; rollout_kl: current vs rollout."),
+            gauge("Entropy", "none", "entropy"),
+            gauge("Gradient norm", "none", "grad_norm"),
+            gauge("Tokens per second", "short", "tokens_per_second"),
+        ],
+        "Off-policy": [
+            gauge("Rollout vs learner log-probs", "none", "logprob_abs_diff", "logprob_pearson",
+                  description="Mean |difference| and correlation on the same generated tokens."),
+            gauge("Staleness", "none", "staleness_mean", "staleness_max"),
+            gauge("Step time", "s", "step_seconds", "train_seconds", "sync_seconds"),
+        ],
+    })
 
 
 def operator() -> Dashboard:
-    return (
-        base("harnessrl / operator", "harnessrl-operator", "Reconciles, errors and harness pods of the operator.")
-        .with_row(Row("Reconciles"))
-        .with_panel(timeseries(
-            "Reconciles per second", "ops",
-            query(f"sum by (result) (rate(harnessrl_operator_reconciles_total{{{RUN}}}[{RATE}]))", "{{result}}"),
-        ))
-        .with_panel(timeseries(
-            "Reconcile errors per second", "ops",
-            query(f"sum by (run) (rate(harnessrl_operator_reconcile_errors_total{{{RUN}}}[{RATE}]))", "{{run}}"),
-        ))
-        .with_row(Row("Harness pods"))
-        .with_panel(timeseries(
-            "Pods per second", "ops",
-            query(f"sum(rate(harnessrl_operator_pods_created_total{{{RUN}}}[{RATE}]))", "created"),
-            query(f"sum(rate(harnessrl_operator_pods_deleted_total{{{RUN}}}[{RATE}]))", "deleted"),
-            query(f"sum(rate(harnessrl_operator_pod_create_failures_total{{{RUN}}}[{RATE}]))", "refused"),
-        ))
-        .with_panel(timeseries("Pod start (created to running)", "s",
-                               *quantiles("harnessrl_operator_pod_start_seconds")))
-        .with_panel(timeseries(
-            "Attempts waiting for a slot", "none",
-            query(f"sum by (run) (harnessrl_operator_queue_depth{{{RUN}}})", "{{run}}"),
-        ))
-    )
+    board = base("harnessrl / operator", "harnessrl-operator", "Reconciles, errors and harness pods of the operator.")
+    return panels(board, {
+        "Reconciles": [
+            ("Reconciles per second", "ops", ((rate("harnessrl_operator_reconciles_total", "result"), "{{result}}"),)),
+            ("Reconcile errors per second", "ops",
+             ((rate("harnessrl_operator_reconcile_errors_total", "run"), "{{run}}"),)),
+        ],
+        "Harness pods": [
+            ("Pods per second", "ops",
+             ((rate("harnessrl_operator_pods_created_total"), "created"),
+              (rate("harnessrl_operator_pods_deleted_total"), "deleted"),
+              (rate("harnessrl_operator_pod_create_failures_total"), "refused"))),
+            timeseries("Pod start (created to running)", "s", *quantiles("harnessrl_operator_pod_start_seconds")),
+            ("Attempts waiting for a slot", "none", ((of("harnessrl_operator_queue_depth", by="run"), "{{run}}"),)),
+        ],
+    })
 
 
 DASHBOARDS = {"runs": run_overview, "proxy": proxy, "learner": learner, "operator": operator}
