@@ -18,6 +18,7 @@ import torch
 from harnessrl.store import TraceStore
 from harnessrl.trainer.engine import EngineSettings, PolicyEngine, init_distributed
 from harnessrl.trainer.learner import Learner, LearnerHooks, LearnerSettings
+from harnessrl.trainer.losses import LossConfig
 
 
 def main() -> None:
@@ -32,6 +33,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eps", type=float, default=1e-8)
     parser.add_argument("--micro-batch-tokens", type=int, default=32768)
+    parser.add_argument("--mini-batches", type=int, default=1)
+    parser.add_argument("--loss", default="ppo-clip")
+    parser.add_argument("--acpo-alpha", type=float, default=3.0)
     parser.add_argument("--kill-after-save", type=int, default=None)
     parser.add_argument("--dump", type=Path, default=None, help="write this rank's weights to DUMP.rank<N>.pt")
     args = parser.parse_args()
@@ -41,6 +45,7 @@ def main() -> None:
         run=args.run, model_dir=args.model, output_dir=args.output, steps=args.steps,
         tasks_per_step=args.tasks_per_step, group_size=args.group_size, wait_timeout_s=0,
         engine=EngineSettings(lr=args.lr, eps=args.eps, micro_batch_tokens=args.micro_batch_tokens),
+        mini_batches=args.mini_batches, loss=LossConfig(loss=args.loss, acpo_alpha=args.acpo_alpha),
     )
 
     def after_save(step: int) -> None:
@@ -56,7 +61,9 @@ def main() -> None:
     if dist.is_main:
         print(json.dumps({"steps": [o.step for o in outcomes],
                           "grad_norms": [o.metrics.get("grad_norm") for o in outcomes],
-                          "padding": [o.metrics.get("padding_micro_batches") for o in outcomes]}))
+                          "padding": [o.metrics.get("padding_micro_batches") for o in outcomes],
+                          "clip_frac": [o.metrics.get("clip_frac") for o in outcomes],
+                          "acpo_clip_mean": [o.metrics.get("acpo_clip_mean") for o in outcomes]}))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

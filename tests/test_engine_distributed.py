@@ -42,10 +42,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker(tiny: Path, store: Path, out: Path, dump: Path) -> list[str]:
+def worker(tiny: Path, store: Path, out: Path, dump: Path, extra: list[str]) -> list[str]:
     return [sys.executable, str(HERE / "learner_worker.py"), "--store", f"sqlite:///{store}", "--run", RUN,
             "--model", str(tiny), "--output", str(out), "--steps", "3", "--tasks-per-step", "1",
-            "--group-size", "3", "--lr", "0.05", "--eps", "1.0", "--micro-batch-tokens", "40", "--dump", str(dump)]
+            "--group-size", "3", "--lr", "0.05", "--eps", "1.0", "--micro-batch-tokens", "40", "--dump", str(dump),
+            *extra]
 
 
 def env_for(rank: int, world: int, port: int) -> dict[str, str]:
@@ -57,7 +58,12 @@ def env_for(rank: int, world: int, port: int) -> dict[str, str]:
     return env
 
 
-def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_path: Path):
+# Two updates per step with ACPO: the old log-probs and ACPO's per-update spread statistic are collective
+# (the first update has one rollout, so rank 1 only pads; the second has a row on each rank), and must match
+# one rank's.
+@pytest.mark.parametrize("extra", [[], ["--mini-batches", "2", "--loss", "acpo", "--acpo-alpha", "0.5"]],
+                         ids=["one-update", "acpo-two-updates"])
+def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_path: Path, extra: list[str]):
     db = tmp_path / "two.db"
     store = TraceStore.connect(f"sqlite:///{db}")
     store.upgrade()
@@ -78,14 +84,14 @@ def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_
     shutil.copy(db, single_db)
 
     port = free_port()
-    procs = [subprocess.Popen(worker(tiny, db, tmp_path / "out2", tmp_path / "two"), env=env_for(r, 2, port),
+    procs = [subprocess.Popen(worker(tiny, db, tmp_path / "out2", tmp_path / "two", extra), env=env_for(r, 2, port),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     results = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
     two_report = json.loads(results[0][0].strip().splitlines()[-1])
 
-    one = subprocess.run(worker(tiny, single_db, tmp_path / "out1", tmp_path / "one"), env=env_for(0, 1, 0),
+    one = subprocess.run(worker(tiny, single_db, tmp_path / "out1", tmp_path / "one", extra), env=env_for(0, 1, 0),
                          capture_output=True, text=True, check=False, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     one_report = json.loads(one.stdout.strip().splitlines()[-1])
@@ -99,6 +105,10 @@ def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_
     assert two_report["steps"] == one_report["steps"] == [1, 2, 3]
     assert two_report["grad_norms"] == pytest.approx(one_report["grad_norms"], rel=1e-5)
     assert all(p >= 1 for p in two_report["padding"]) and one_report["padding"] == [0, 0, 0]
+    assert two_report["clip_frac"] == pytest.approx(one_report["clip_frac"], rel=1e-5)
+    if extra:  # the second update's ratios spread, so ACPO widened its bound, by the same on both ranks
+        assert min(one_report["acpo_clip_mean"]) > 0.2
+        assert two_report["acpo_clip_mean"] == pytest.approx(one_report["acpo_clip_mean"], rel=1e-5)
     for name in rank0:
         torch.testing.assert_close(rank0[name], single[name], rtol=1e-4, atol=1e-6)
     base = load_file(tiny / "model.safetensors")

@@ -102,10 +102,11 @@ def test_acpo_update_does_not_depend_on_the_micro_batch_split(tiny: Path, tmp_pa
 
 def test_mini_batches_keep_a_rollouts_rows_together_and_split_rollouts_evenly():
     keys = ["a", "a", "b", "c", "c", "d", "e"]
-    assert split_mini_batches(keys, 2) == [[0, 1, 2, 3, 4], [5, 6]]  # rollouts a b c | d e
+    assert split_mini_batches(keys, 2) == [[0, 1, 2], [3, 4, 5, 6]]  # rollouts a b | c d e
     assert split_mini_batches(keys, 5) == [[0, 1], [2], [3, 4], [5], [6]]
     assert split_mini_batches(keys, 9) == [[0, 1], [2], [3, 4], [5], [6]]  # at most one rollout each
     assert split_mini_batches(keys, 1) == [list(range(7))]
+    assert [len(part) for part in split_mini_batches(list(range(10)), 4)] == [2, 3, 2, 3]
     assert split_mini_batches([], 3) == []
 
 

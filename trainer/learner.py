@@ -173,9 +173,10 @@ class _Plan:
 def split_mini_batches(keys: Sequence[Hashable], count: int) -> list[list[int]]:
     """Row indices of each mini-batch, for rows owned by the rollouts ``keys`` (one key per row).
 
-    Rollouts, in the order they first appear, go to ``min(count, rollouts)`` parts of nearly equal rollout
-    count (contiguous, so with rollouts in claim order a task group stays together where the counts allow); a
-    rollout's rows always share a part, so per-rollout aggregation sees the whole rollout in one update.
+    Rollouts, in the order they first appear, go to ``min(count, rollouts)`` contiguous parts whose rollout
+    counts differ by at most one, the later parts taking the remainder (so with rollouts in claim order a task
+    group stays together where the counts allow). A rollout's rows always share a part, so per-rollout
+    aggregation sees the whole rollout in one update.
     """
     order: dict[Hashable, int] = {}
     for key in keys:
@@ -183,7 +184,7 @@ def split_mini_batches(keys: Sequence[Hashable], count: int) -> list[list[int]]:
     parts = min(count, len(order))
     out: list[list[int]] = [[] for _ in range(parts)]
     for i, key in enumerate(keys):
-        out[order[key] * parts // len(order)].append(i)
+        out[(order[key] * parts + parts - 1) // len(order)].append(i)
     return out
 
 
