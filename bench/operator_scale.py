@@ -135,8 +135,7 @@ def main() -> None:
 
 
 def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> None:
-    kube.kubectl("apply", "--server-side", "-f", str(ROOT / "crds" / "trainingruns.harnessrl.io.yaml"))
-    kube.kubectl("wait", "--for=condition=Established", "crd/trainingruns.harnessrl.io", "--timeout=60s")
+    kube.apply_crd(ROOT / "crds" / "trainingruns.harnessrl.io.yaml")
     kube.kubectl("create", "namespace", BENCH_NAMESPACE)
     kube.kubectl("create", "clusterrolebinding", "bench-operator", "--clusterrole=cluster-admin",
                  f"--user={OPERATOR_USER}")

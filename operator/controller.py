@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -25,6 +26,7 @@ from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodApi, PodBackend, PodSummary
+from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.models import TrainingRun
@@ -83,6 +85,17 @@ class Apis:
             field_manager="harnessrl-operator",
             force_conflicts=True,
         )
+
+    def create_once(self, obj: dict[str, Any]) -> None:
+        """Create ``obj`` unless an object of that name exists (which is then kept as it is)."""
+        from kubernetes.client.exceptions import ApiException
+
+        resource = self.dynamic.resources.get(api_version=obj["apiVersion"], kind=obj["kind"])
+        try:
+            resource.create(body=obj, namespace=obj["metadata"]["namespace"])
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
 
     def delete_children(self, namespace: str, run: str) -> None:
         """Every object the run owns, but the run itself (spec.ttlSecondsAfterFinished)."""
@@ -318,6 +331,9 @@ class RunController:
             raise RunProblem(Reason.INVALID_SPEC, str(error)) from None
         for child in children:
             self.apis.apply(child)
+        if self.run.spec.harness.verifier is not None:
+            token = secrets.token_urlsafe(32)
+            self.apis.create_once(render_reward_secret(self.run, self.namespace, self.uid, token))
         self.applied_generation = generation
 
     def _observe_workloads(self, observed: Observed) -> None:

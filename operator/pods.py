@@ -26,6 +26,7 @@ from typing import Any
 
 from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import ATTEMPT_ANNOTATION, ROLLOUT_ANNOTATION
+from harnessrl.operator.render_harness import HARNESS_CONTAINER, VERIFIER_CONTAINER
 from harnessrl.operator.status import epoch
 from harnessrl.scheduler import HarnessExit, Launch
 
@@ -44,7 +45,6 @@ FATAL_WAITING = frozenset(
         "RunContainerError",
     }
 )
-HARNESS_CONTAINER = "harness"
 
 
 @dataclass(frozen=True)
@@ -82,18 +82,27 @@ def summarize_pod(body: dict[str, Any]) -> PodSummary | None:
     status = body.get("status") or {}
     phase = status.get("phase") or "Pending"
     exit_code, reason, fatal, started = None, None, False, None
-    for container in status.get("containerStatuses") or []:
-        if container.get("name") != HARNESS_CONTAINER:
-            continue
-        state = container.get("state") or {}
+    # The harness is the main container, or with a verifier an init container followed by the verifier: the
+    # attempt's outcome is the harness's failure if it failed, else the verifier's exit.
+    statuses = {
+        container.get("name"): container
+        for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    }
+    for name in (HARNESS_CONTAINER, VERIFIER_CONTAINER):
+        state = (statuses.get(name) or {}).get("state") or {}
+        prefix = "verifier " if name == VERIFIER_CONTAINER else ""
         if "terminated" in state:
             terminated = state["terminated"]
             exit_code = terminated.get("exitCode")
             reason = _join(terminated.get("reason"), terminated.get("message"))
+            reason = prefix + reason if reason and prefix else reason
+            if exit_code != 0:
+                break
         elif "waiting" in state and (state["waiting"] or {}).get("reason") in FATAL_WAITING:
             waiting = state["waiting"]
-            fatal, reason = True, _join(waiting.get("reason"), waiting.get("message"))
-        elif "running" in state:
+            fatal, reason = True, prefix + (_join(waiting.get("reason"), waiting.get("message")) or "")
+            break
+        elif "running" in state and started is None:
             started = epoch(state["running"].get("startedAt"))
     if phase == "Failed" and exit_code is None:
         # The pod failed without the harness exiting on its own: evicted, past activeDeadlineSeconds, ...

@@ -30,12 +30,15 @@ from harnessrl.operator.render_common import (
     restricted_security,
     spec_env,
 )
-from harnessrl.operator.render_secret import store_url_env
+from harnessrl.operator.render_secret import reward_token_env, store_url_env
 from harnessrl.scheduler import Launch
 from harnessrl.spec.models import TrainingRun
 
 HARNESS_CONTAINER = "harness"
 PROXY_CONTAINER = "proxy"
+VERIFIER_CONTAINER = "verifier"
+WORKSPACE_DIR = "/workspace"
+"""Where the harness leaves its work for the verifier (an emptyDir both mount; ``HARNESSRL_WORKSPACE``)."""
 TASK_DIR = "/etc/harnessrl"
 TASK_FILE = f"{TASK_DIR}/task.json"
 SPOOL_DIR = "/var/spool/harnessrl"
@@ -95,6 +98,7 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_QUEUE_SIZE", str(proxy.queue_size)),
         env("HARNESSRL_MAX_BODY_BYTES", str(proxy.max_request_body_bytes)),
         env("HARNESSRL_SPOOL_PATH", f"{SPOOL_DIR}/proxy.spool"),
+        *([reward_token_env(run)] if spec.harness.verifier is not None else []),
     ]
 
 
@@ -127,20 +131,10 @@ def proxy_container(run: TrainingRun, config: OperatorConfig, launch: Launch) ->
     }
 
 
-def harness_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
-    """The spec's env, then the contract: the contract's names are harnessrl's (the spec says so), so they
-    replace a same-named variable of the spec. ``HOME`` is ``/tmp`` unless the spec sets it, because the
-    sandbox user has no home directory and tools (pip, git, caches) write there."""
-    spec = run.spec
-    base = f"http://127.0.0.1:{spec.proxy.port}/v1"
+def _attempt_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
+    """The attempt's identity and task, for the harness and the verifier alike."""
     task_field = f"metadata.annotations['{naming.TASK_ANNOTATION}']"
-    user = spec_env(spec.harness.env)
-    defaults = [] if any(var["name"] == "HOME" for var in user) else [env("HOME", "/tmp")]
-    contract = [
-        env("OPENAI_BASE_URL", base),
-        env("OPENAI_API_KEY", "harnessrl"),
-        env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
-        env("HARNESSRL_REWARD_URL", f"{base}/reward"),
+    return [
         env("HARNESSRL_RUN", run.metadata.name),
         env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
         env("HARNESSRL_ATTEMPT", str(launch.attempt)),
@@ -149,7 +143,64 @@ def harness_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
         env("HARNESSRL_TASK_FILE", TASK_FILE),
         env_from_field("HARNESSRL_TASK", task_field),
     ]
+
+
+def _with_home(user: list[dict[str, Any]], contract: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The spec's env, then the contract: the contract's names are harnessrl's (the spec says so), so they
+    replace a same-named variable of the spec. ``HOME`` is ``/tmp`` unless the spec sets it, because the
+    sandbox user has no home directory and tools (pip, git, caches) write there."""
+    defaults = [] if any(var["name"] == "HOME" for var in user) else [env("HOME", "/tmp")]
     return merge_env(defaults + user, contract)
+
+
+def harness_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
+    """The harness's contract. With a verifier it has no reward URL (the proxy would refuse it without the
+    token anyway) and a workspace to leave its work in."""
+    spec = run.spec
+    base = f"http://127.0.0.1:{spec.proxy.port}/v1"
+    contract = [
+        env("OPENAI_BASE_URL", base),
+        env("OPENAI_API_KEY", "harnessrl"),
+        env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
+    ]
+    if spec.harness.verifier is None:
+        contract.append(env("HARNESSRL_REWARD_URL", f"{base}/reward"))
+    else:
+        contract.append(env("HARNESSRL_WORKSPACE", WORKSPACE_DIR))
+    return _with_home(spec_env(spec.harness.env), contract + _attempt_env(run, launch))
+
+
+def verifier_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
+    """The verifier: the pod's main container, started once the harness (an init container then) exited 0,
+    on the workspace the harness left; the only container with the reward token."""
+    verifier = run.spec.harness.verifier
+    contract = [
+        env("HARNESSRL_REWARD_URL", f"http://127.0.0.1:{run.spec.proxy.port}/v1/reward"),
+        reward_token_env(run),
+        env("HARNESSRL_WORKSPACE", WORKSPACE_DIR),
+    ]
+    container: dict[str, Any] = {
+        "name": VERIFIER_CONTAINER,
+        "image": verifier.image or harness_image(run, launch),
+        "command": list(verifier.command),
+    }
+    if verifier.args:
+        container["args"] = list(verifier.args)
+    container["env"] = _with_home(spec_env(verifier.env), contract + _attempt_env(run, launch))
+    resources = container_resources(verifier.resources, 0)
+    if resources:
+        container["resources"] = resources
+    container["securityContext"] = restricted_security()
+    container["volumeMounts"] = _mounts(verifier=True)
+    return container
+
+
+def _mounts(verifier: bool) -> list[dict[str, Any]]:
+    mounts = [
+        {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    return mounts + ([{"name": "workspace", "mountPath": WORKSPACE_DIR}] if verifier else [])
 
 
 def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
@@ -170,10 +221,7 @@ def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
     if resources:
         container["resources"] = resources
     container["securityContext"] = restricted_security()
-    container["volumeMounts"] = [
-        {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
-    ]
+    container["volumeMounts"] = _mounts(verifier=harness.verifier is not None)
     return container
 
 
@@ -241,6 +289,12 @@ def render_harness_pod(
             {"name": "spool", "emptyDir": {}},
         ],
     }
+    if run.spec.harness.verifier is not None:
+        # The harness runs to completion as an init container (after the proxy sidecar has started), then the
+        # verifier, the main container, scores what it left in the workspace.
+        pod_spec["initContainers"].append(pod_spec["containers"].pop())
+        pod_spec["containers"] = [verifier_container(run, launch)]
+        pod_spec["volumes"].append({"name": "workspace", "emptyDir": {}})
     runtime_class = run.spec.harness.sandbox.runtime_class_name
     if runtime_class:
         pod_spec["runtimeClassName"] = runtime_class

@@ -27,10 +27,42 @@ CONFIG_COMPONENT = "config"
 SPEC_KEY = "trainingrun.json"
 STORE_URL_KEY = "store-url"
 STORE_URL_ENV = "HARNESSRL_STORE_URL"
+REWARD_COMPONENT = "reward"
+REWARD_TOKEN_KEY = "token"
+REWARD_TOKEN_ENV = "HARNESSRL_REWARD_TOKEN"
 
 
 def run_secret_name(run: str) -> str:
     return f"{run}-config"
+
+
+def reward_secret_name(run: str) -> str:
+    return f"{run}-reward"
+
+
+def reward_token_env(run: TrainingRun) -> dict[str, Any]:
+    """``HARNESSRL_REWARD_TOKEN`` for the proxy and the verifier (never the harness), by reference."""
+    return env_from_secret(REWARD_TOKEN_ENV, reward_secret_name(run.metadata.name), REWARD_TOKEN_KEY)
+
+
+def render_reward_secret(run: TrainingRun, namespace: str, uid: str, token: str) -> dict[str, Any]:
+    """The ``<run>-reward`` Secret of a run with a verifier: the token only the verifier may show the proxy.
+    The token is random (``token``), so the Secret is created once and never re-applied, unlike the other
+    children; it goes with the run by its owner reference."""
+    name = run.metadata.name
+    return _secret(reward_secret_name(name), namespace, name, uid, REWARD_COMPONENT, {REWARD_TOKEN_KEY: token})
+
+
+def _secret(name: str, namespace: str, run: str, uid: str, component: str, data: dict[str, str]) -> dict[str, Any]:
+    """A Secret owned by the run. ``data`` rather than ``stringData``: the API server stores only ``data``,
+    so re-applying the same object is a no-op under server-side apply."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": naming.child_metadata(name, namespace, run, uid, component),
+        "type": "Opaque",
+        "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()},
+    }
 
 
 def run_document(run: TrainingRun, namespace: str) -> dict[str, Any]:
@@ -76,16 +108,9 @@ def operator_store_url(config: OperatorConfig) -> str:
 
 
 def render_run_secret(run: TrainingRun, namespace: str, uid: str, config: OperatorConfig) -> dict[str, Any]:
-    """The ``<run>-config`` Secret (see the module docstring). ``data`` rather than ``stringData``: the API
-    server stores only ``data``, so re-applying the same object is a no-op under server-side apply."""
+    """The ``<run>-config`` Secret (see the module docstring)."""
     data = {SPEC_KEY: json.dumps(run_document(run, namespace), sort_keys=True, separators=(",", ":"))}
     if uses_operator_store(run):
         data[STORE_URL_KEY] = operator_store_url(config)
     name = run.metadata.name
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": naming.child_metadata(run_secret_name(name), namespace, name, uid, CONFIG_COMPONENT),
-        "type": "Opaque",
-        "data": {key: base64.b64encode(value.encode()).decode() for key, value in data.items()},
-    }
+    return _secret(run_secret_name(name), namespace, name, uid, CONFIG_COMPONENT, data)

@@ -8,6 +8,12 @@ gateway learns attribution; a sidecar takes it from its environment):
 ``POST /admin/pause``, ``POST /admin/resume``, ``GET /admin/state``, ``POST /admin/policy-version``,
 ``POST /admin/flush``.
 
+``POST /v1/reward`` answers once the reward is in the store (the harness may exit at once: the scheduler
+then sees it), 409 ``attempt_settled`` naming the attempt and its state when the attempt already ended
+(nothing is changed), 503 ``reward_not_stored`` when the store did not take it within ``reward_timeout_s``
+(the proxy keeps it in its spool). ``GET /healthz`` is 503 with a ``reason`` while captured items reach
+neither the store nor the spool.
+
 Errors the proxy raises itself are 4xx in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
 an upstream's error answer is passed through with its status and body and recorded as an error call.
 A call whose harness went away before the answer was complete is recorded with status ``aborted`` and HTTP
@@ -17,6 +23,7 @@ status 499 (the request is cancelled upstream by closing its connection).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -618,6 +625,16 @@ class CaptureProxy:
 
     async def reward(self, request: web.Request) -> web.Response:
         who = self.attribution(request)
+        token = self.config.reward_token
+        if token is not None and not hmac.compare_digest(
+            request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()
+        ):
+            raise RequestError(
+                "this run's rewards come from its verifier: /v1/reward needs the header Authorization: Bearer "
+                "$HARNESSRL_REWARD_TOKEN, which only the verifier is given",
+                status=403,
+                code="reward_token_required",
+            )
         body = await read_json(request)
         if not isinstance(body, dict):
             raise RequestError('reward body must be a JSON object like {"value": 1.0, "info": {...}}')

@@ -21,6 +21,8 @@ HARNESSRL_POLICY_VERSION           policy version at start (default 0); later se
 HARNESSRL_REPLICA_VERSIONS         ``true``: record each call under the weight label of the vLLM replica that
                                    serves it (``GET /weight_info``; ``upstreams.py``), the proxy's own version
                                    only where a replica cannot tell (default false)
+HARNESSRL_REWARD_TOKEN             when set, ``/v1/reward`` needs ``Authorization: Bearer <token>``: a run with
+                                   a verifier gives the token to the verifier only, never to the harness
 HARNESSRL_ADMIN                    ``false``: no ``/admin/*`` routes (a sidecar: the harness shares its network
                                    and must not pause it or set its version); default true
 HARNESSRL_MODEL_NAME               model name sent upstream whatever the harness asks for (default: as sent)
@@ -112,6 +114,7 @@ class ProxyConfig(BaseSettings):
     policy_version: int = Field(default=0, ge=0)
     replica_versions: bool = False
     admin: bool = True
+    reward_token: str | None = Field(default=None, min_length=16, repr=False)
     model_name: str | None = None
     sampling: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     token_continuity: bool | None = None

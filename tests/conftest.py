@@ -125,9 +125,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             pytest.fail(f"no Kubernetes control plane: {exc}", pytrace=False)
         pytest.skip(f"no Kubernetes control plane: {exc} ({KUBE_REQUIRED_ENV}=0)")
     try:
-        cluster.kubectl("apply", "--server-side", "-f", str(ROOT / CRD_PATH))
-        cluster.kubectl("wait", "--for=condition=Established", "crd/trainingruns.harnessrl.io",
-                        "--timeout=60s")
+        cluster.apply_crd(ROOT / CRD_PATH)
         yield cluster
     finally:
         cluster.stop()

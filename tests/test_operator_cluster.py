@@ -376,3 +376,34 @@ def test_a_missing_secret_is_reported_naming_the_field_and_the_run_waits_for_it(
             lambda: get(kube, ns, "tr", run).get("status", {}).get("phase") == "Running",
         )
         kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_a_run_with_a_verifier_gets_one_reward_token_that_the_harness_never_sees(
+    kube: Cluster, kube_namespace: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ns, run = kube_namespace, "verified"
+    doc = training_run(run, pg_url, verifier={"command": ["python", "-m", "verify"]})
+    with operator(kube, ns, monkeypatch):
+        kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+        pods = wait_for("harness pods", lambda: harness_pods(kube, ns, run))
+        secret = get(kube, ns, "secret", f"{run}-reward")
+        token = secret["data"]["token"]
+        assert len(token) > 40 and secret["metadata"]["ownerReferences"][0]["name"] == run
+        spec = pods[0]["spec"]
+        assert [c["name"] for c in spec["initContainers"]] == ["proxy", "harness"]
+        assert [c["name"] for c in spec["containers"]] == ["verifier"]
+        holders = {
+            c["name"]
+            for c in [*spec["initContainers"], *spec["containers"]]
+            for var in c.get("env", [])
+            if var["name"] == "HARNESSRL_REWARD_TOKEN"
+        }
+        assert holders == {"proxy", "verifier"}
+        # Children are applied again after a change; the token stays what it was.
+        kube.kubectl("patch", "tr", run, "-n", ns, "--type=merge", "-p", '{"spec": {"harness": {"concurrency": 3}}}')
+        wait_for(
+            "the change observed",
+            lambda: get(kube, ns, "tr", run).get("status", {}).get("observedGeneration") == 2,
+        )
+        assert get(kube, ns, "secret", f"{run}-reward")["data"]["token"] == token
+        kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")

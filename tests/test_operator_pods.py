@@ -107,6 +107,70 @@ def test_summaries_read_what_the_kubelet_reports(body: dict, expected: tuple) ->
     assert (summary.phase, summary.exit_code, summary.reason, summary.fatal) == expected
 
 
+def verified_pod(phase: str, harness: dict[str, Any], verifier: dict[str, Any] | None) -> dict[str, Any]:
+    """A pod of a run with a verifier: the harness is an init container, the verifier the main one."""
+    body = pod(phase)
+    body["status"]["initContainerStatuses"] = [
+        {"name": "proxy", "state": {"running": {}}},
+        {"name": "harness", "state": harness},
+    ]
+    if verifier is not None:
+        body["status"]["containerStatuses"] = [{"name": "verifier", "state": verifier}]
+    return body
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (
+            verified_pod("Pending", {"running": {"startedAt": "2026-12-03T10:00:01Z"}}, None),
+            ("Pending", None, None, False),
+        ),
+        (  # the harness failed: the verifier never runs, and the harness's exit is the outcome
+            verified_pod("Failed", {"terminated": {"exitCode": 2, "reason": "Error"}}, None),
+            ("Failed", 2, "Error", False),
+        ),
+        (  # the harness is done and the verifier still runs: no outcome yet
+            verified_pod("Running", {"terminated": {"exitCode": 0, "reason": "Completed"}}, {"running": {}}),
+            ("Running", 0, "Completed", False),
+        ),
+        (
+            verified_pod(
+                "Failed",
+                {"terminated": {"exitCode": 0, "reason": "Completed"}},
+                {"terminated": {"exitCode": 4, "reason": "Error"}},
+            ),
+            ("Failed", 4, "verifier Error", False),
+        ),
+        (
+            verified_pod(
+                "Succeeded",
+                {"terminated": {"exitCode": 0, "reason": "Completed"}},
+                {"terminated": {"exitCode": 0, "reason": "Completed"}},
+            ),
+            ("Succeeded", 0, "verifier Completed", False),
+        ),
+        (
+            verified_pod(
+                "Pending",
+                {"terminated": {"exitCode": 0, "reason": "Completed"}},
+                {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}},
+            ),
+            ("Pending", 0, "verifier ImagePullBackOff: Back-off pulling image", True),
+        ),
+    ],
+    ids=["harness-running", "harness-failed", "verifying", "verifier-failed", "verified", "verifier-image"],
+)
+def test_with_a_verifier_the_harness_failure_or_else_the_verifier_exit_is_the_outcome(
+    body: dict, expected: tuple
+) -> None:
+    summary = summarize_pod(body)
+    assert summary is not None
+    assert (summary.phase, summary.exit_code, summary.reason, summary.fatal) == expected
+    if expected[0] == "Pending" and expected[1] is None:
+        assert summary.started_at is not None  # the harness (an init container) has started
+
+
 def test_foreign_pods_are_not_summarized() -> None:
     assert summarize_pod({"metadata": {"name": "x", "annotations": {}}, "status": {}}) is None
 

@@ -1,13 +1,16 @@
 """The proxy's view of the replicas on a cluster: ``dns://NAME:PORT`` upstreams resolved with the machine's
 real resolver (every address of the name, a name that resolves to nothing leaves no replica to call), and the
-settings that refuse a DNS upstream written wrong. Serving and weight labels with a real vLLM are in
+settings that refuse a DNS upstream written wrong; and the reward token of a run with a verifier. Serving and weight labels with a real vLLM are in
 test_weight_sync_vllm.py."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
+import openai
 import pytest
+from proxy_servers import loops, make_proxy, upstream  # noqa: F401 - pytest fixtures
 from pydantic import ValidationError
 
 from harnessrl.proxy.config import ProxyConfig
@@ -67,3 +70,26 @@ def test_dns_upstreams_in_the_settings(upstream: str, accepted: bool) -> None:
         return
     with pytest.raises(ValidationError, match=r"dns://NAME:PORT"):
         ProxyConfig(upstreams=upstream, store_url="sqlite://")
+
+
+TOKEN = "verifier-only-0123456789abcdef"
+
+
+def test_with_a_reward_token_only_the_verifier_reports_the_reward(upstream, make_proxy, store):
+    """A run with a verifier: the harness's own reward (no token, or its OpenAI key as the bearer) is refused
+    with 403 and stores nothing; the verifier's, with the token, is stored."""
+    proxy = make_proxy([upstream.url], reward_token=TOKEN)
+    client = openai.OpenAI(base_url=proxy.v1, api_key="harnessrl", max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for headers in ({}, {"Authorization": "Bearer harnessrl"}, {"Authorization": f"Bearer {TOKEN}x"}):
+        refused = httpx.post(f"{proxy.v1}/reward", json={"value": 1.0}, headers=headers, timeout=60)
+        assert refused.status_code == 403, refused.text
+        assert refused.json()["error"]["code"] == "reward_token_required"
+    proxy.flush()
+    assert store.get_attempt("r-1", 0).reward is None
+    accepted = httpx.post(
+        f"{proxy.v1}/reward", json={"value": 0.5}, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+    )
+    assert accepted.status_code == 200, accepted.text
+    assert store.get_attempt("r-1", 0).reward == 0.5
+    assert TOKEN not in repr(proxy.config)  # never in logs

@@ -243,6 +243,30 @@ def harness_pod(run: TrainingRun, **launch: Any) -> dict[str, Any]:
     return render_harness_pod(run, NAMESPACE, UID, CONFIG, launch_for(run, **launch))
 
 
+def test_with_a_verifier_only_the_verifier_and_the_proxy_hold_the_reward_token() -> None:
+    run = parse_training_run(EXAMPLES["trainingrun-verifier"])
+    spec = harness_pod(run)["spec"]
+    # proxy sidecar, then the harness to completion, then the verifier on the workspace it left
+    assert [c["name"] for c in spec["initContainers"]] == ["proxy", "harness"]
+    assert [c["name"] for c in spec["containers"]] == ["verifier"]
+    token = {"secretKeyRef": {"name": "verified-reward", "key": "token"}}
+    harness, verifier, proxy = (env_of(container(spec, name)) for name in ("harness", "verifier", "proxy"))
+    assert proxy["HARNESSRL_REWARD_TOKEN"] == token and verifier["HARNESSRL_REWARD_TOKEN"] == token
+    assert "HARNESSRL_REWARD_TOKEN" not in harness and "HARNESSRL_REWARD_URL" not in harness
+    assert verifier["HARNESSRL_REWARD_URL"] == "http://127.0.0.1:8080/v1/reward"
+    assert harness["HARNESSRL_WORKSPACE"] == verifier["HARNESSRL_WORKSPACE"] == "/workspace"
+    assert verifier["HARNESSRL_ROLLOUT_ID"] == harness["HARNESSRL_ROLLOUT_ID"]
+    for name in ("harness", "verifier"):
+        assert {"name": "workspace", "mountPath": "/workspace"} in container(spec, name)["volumeMounts"]
+    assert {"name": "workspace", "emptyDir": {}} in spec["volumes"]
+    assert container(spec, "verifier")["image"] == "ghcr.io/acme/test-runner:1"
+    assert "shareProcessNamespace" not in spec  # the harness cannot read the other containers' environment
+    # without a verifier the harness reports its own reward and no token exists
+    plain = harness_pod(parse_training_run(CLUSTER))["spec"]
+    assert "HARNESSRL_REWARD_URL" in env_of(container(plain, "harness"))
+    assert "HARNESSRL_REWARD_TOKEN" not in env_of(container(plain, "proxy"))
+
+
 def test_proxy_is_a_native_sidecar_that_must_answer_first() -> None:
     spec = harness_pod(parse_training_run(CLUSTER))["spec"]
     (proxy,) = spec["initContainers"]

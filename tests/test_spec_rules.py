@@ -401,13 +401,14 @@ def test_rules_sit_in_the_crd_at_their_models_schema_node() -> None:
             count(node["items"])
 
     count(schema)
-    # EnvVar and EnvVarSource appear twice (rollout.env, harness.env); every other model once.
+    # EnvVar and EnvVarSource appear three times (rollout.env, harness.env, harness.verifier.env); every
+    # other model once.
     per_model = {
         name: len(cls.rules)
         for name, cls in _model_classes(TrainingRun).items()
         if issubclass(cls, SpecModel)
     }
-    expected = sum(per_model.values()) + per_model["EnvVar"] + per_model["EnvVarSource"]
+    expected = sum(per_model.values()) + 2 * (per_model["EnvVar"] + per_model["EnvVarSource"])
     assert total == expected
 
 

@@ -105,6 +105,19 @@ class Cluster:
             raise KubectlError(result.returncode, command, result.stdout, result.stderr)
         return result
 
+    def apply_crd(self, path: Path, timeout: float = 60.0) -> None:
+        """Apply a CRD file and wait until the API server serves it. Polled rather than ``kubectl wait
+        --for=condition=Established``, which fails instead of waiting while a new CRD has no conditions yet
+        (seen on a loaded machine: ".status.conditions accessor error: <nil>")."""
+        self.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
+        name = yaml.safe_load(path.read_text())["metadata"]["name"]
+        query = "jsonpath={.status.conditions[?(@.type=='Established')].status}"
+        deadline = time.monotonic() + timeout
+        while self.kubectl("get", "crd", name, "-o", query, check=False).stdout.strip() != "True":
+            if time.monotonic() > deadline:
+                raise ClusterError(f"CRD {name} not Established after {timeout:.0f} s")
+            time.sleep(0.1)
+
     def user_kubeconfig(self, user: str, groups: Sequence[str] = ()) -> Path:
         """A kubeconfig that authenticates as ``user`` (client certificate), for testing RBAC for real."""
         cert, key = self.pki.client_certificate(user, tuple(groups))

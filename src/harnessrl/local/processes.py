@@ -25,7 +25,9 @@ class _Running:
     process: subprocess.Popen[bytes]
     log: IO[bytes]
     directory: Path
+    launch: Launch
     stop_reason: str | None = None
+    verifying: bool = False  # the harness exited 0 and ``process`` is now the verifier
 
 
 class ProcessBackend:
@@ -40,6 +42,8 @@ class ProcessBackend:
         env_for: Callable[[Launch], Mapping[str, str]] | None = None,
         cwd: Path | None = None,
         kill_grace_s: float = 5.0,
+        verifier: Sequence[str] | None = None,
+        verifier_env_for: Callable[[Launch], Mapping[str, str]] | None = None,
     ) -> None:
         if not command:
             raise ValueError("harness.command is empty: give the command that starts one harness run")
@@ -49,6 +53,10 @@ class ProcessBackend:
         self.env_for = env_for
         self.cwd = cwd
         self.kill_grace_s = kill_grace_s
+        # spec.harness.verifier: started in the attempt's directory (HARNESSRL_WORKSPACE, which the harness
+        # gets too) once the harness exited 0; its exit is the attempt's. A harness that fails is not verified.
+        self.verifier = list(verifier) if verifier else None
+        self.verifier_env_for = verifier_env_for
         self._runs: dict[tuple[str, int], _Running] = {}
 
     def launch_budget(self) -> None:
@@ -60,44 +68,75 @@ class ProcessBackend:
             return
         directory = self.workdir / "rollouts" / f"{launch.rollout_id}-a{launch.attempt}"
         directory.mkdir(parents=True, exist_ok=True)
-        task_json = json.dumps(launch.task)
-        (directory / "task.json").write_text(task_json)
-        env = {**os.environ, **self.env}
+        (directory / "task.json").write_text(json.dumps(launch.task))
+        env = {**os.environ, **self.env, **self._attempt_env(launch, directory),
+               **(self.env_for(launch) if self.env_for else {})}
+        log = (directory / "harness.log").open("ab")
+        process = self._start("harness", self.command, self.cwd, env, log)
+        if isinstance(process, str):
+            self._runs[key] = _Running(_Failed(), log, directory, launch, stop_reason=process)
+            return
+        self._runs[key] = _Running(process, log, directory, launch)
+
+    def _attempt_env(self, launch: Launch, directory: Path) -> dict[str, str]:
+        """The contract both the harness and the verifier get (task, attribution, workspace)."""
+        env: dict[str, str] = {}
         env.update(
             HARNESSRL_RUN=launch.run,
             HARNESSRL_ROLLOUT_ID=launch.rollout_id,
             HARNESSRL_ATTEMPT=str(launch.attempt),
             HARNESSRL_TASK_ID=launch.task_id,
             HARNESSRL_TASK_FILE=str(directory / "task.json"),
-            HARNESSRL_TASK=task_json,
+            HARNESSRL_TASK=json.dumps(launch.task),
             HARNESSRL_POLICY_VERSION=str(launch.policy_version),
         )
-        if self.env_for is not None:
-            env.update(self.env_for(launch))
-        log = (directory / "harness.log").open("ab")
+        if self.verifier is not None:
+            env["HARNESSRL_WORKSPACE"] = str(directory)
+        return env
+
+    @staticmethod
+    def _start(what: str, command: list[str], cwd: Path | None, env: dict[str, str],
+               log: IO[bytes]) -> subprocess.Popen[bytes] | str:
+        """The process, or why it could not start (reported as an exit, so the attempt fails with it)."""
         try:
-            process = subprocess.Popen(
-                self.command, cwd=self.cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            return subprocess.Popen(
+                command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=die_with_parent(),  # noqa: PLW1509 - safe, see orphans.py
             )
-        except OSError as exc:  # bad command: report it as an exit so the attempt fails with the reason
-            log.write(f"cannot start {self.command[0]!r}: {exc}\n".encode())
-            log.close()
-            self._runs[key] = _Running(_Failed(), log, directory, stop_reason=f"cannot start harness: {exc}")
+        except OSError as exc:  # bad command
+            log.write(f"cannot start {command[0]!r}: {exc}\n".encode())
+            log.flush()
+            return f"cannot start {what}: {exc}"
+
+    def _advance(self, run: _Running) -> None:
+        """Start the verifier of an attempt whose harness has just exited 0."""
+        if self.verifier is None or run.verifying or run.stop_reason or run.process.poll() != 0:
             return
-        self._runs[key] = _Running(process, log, directory)
+        run.verifying = True
+        extra = self.verifier_env_for(run.launch) if self.verifier_env_for else {}
+        env = {**os.environ, **self._attempt_env(run.launch, run.directory), **extra}
+        process = self._start("verifier", self.verifier, run.directory, env, run.log)
+        if isinstance(process, str):
+            run.process, run.stop_reason = _Failed(), process
+        else:
+            run.process = process
 
     def alive(self) -> set[tuple[str, int]]:
+        for run in self._runs.values():
+            self._advance(run)
         return {key for key, run in self._runs.items() if run.process.poll() is None}
 
     def exits(self) -> list[HarnessExit]:
         ended = []
         for (rollout_id, attempt), run in self._runs.items():
+            self._advance(run)
             code = run.process.poll()
             if code is None:
                 continue
             detail = run.stop_reason or _signal_name(code)
+            if run.verifying and not run.stop_reason and code != 0:
+                detail = f"verifier {detail or f'exited {code}'}"
             ended.append(HarnessExit(rollout_id, attempt, None if isinstance(run.process, _Failed) else code, detail))
         return ended
 

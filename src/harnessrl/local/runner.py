@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
 from harnessrl.proxy.config import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.spec.kube import EnvVar
 from harnessrl.spec.models import TrainingRun
 from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
@@ -116,6 +118,8 @@ class LocalRun:
                            f"tiny one with `harnessrl tiny-model DIR` and point spec.model.path (or --model) at it")
         self.model_dir = model
         self.tasks = load_tasks(run, self.base)
+        # spec.harness.verifier: only the verifier processes get this token, which the proxy asks for on rewards
+        self.reward_token = secrets.token_urlsafe(32) if self.spec.harness.verifier is not None else None
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
     def _store_url_from_spec(self) -> str:
@@ -150,9 +154,12 @@ class LocalRun:
             if version and not ledger.version(version).synced:
                 ledger.mark_synced(version)  # the server was just started on that very checkpoint
             proxy_url = self._start_proxy(upstream, version)
+            verifier = self.spec.harness.verifier
             backend = ProcessBackend(
                 self._harness_command(), self.run_dir, cwd=self._harness_cwd(),
                 env=self._harness_env(), env_for=lambda launch: self._contract(proxy_url, launch),
+                verifier=[*verifier.command, *verifier.args] if verifier else None,
+                verifier_env_for=lambda launch: self._verifier_contract(proxy_url, launch),
             )
             stack.callback(backend.shutdown)
             scheduler = RolloutScheduler(store, SchedulerSettings.from_spec(self.name, self.spec), backend, self.tasks)
@@ -231,6 +238,10 @@ class LocalRun:
         # Calls are recorded under the serving replica's weight label, as on a cluster (the learner's sync
         # labels each replica); the proxy's own version, set by the sync too, covers a replica without one.
         env = {**os.environ, **spec_environment(self.spec.proxy, spool), "HARNESSRL_REPLICA_VERSIONS": "true"}
+        if self.reward_token is not None:
+            # Not sandboxed here (one user, one machine): the token keeps a harness from reporting by
+            # mistake; the pod on a cluster is what keeps the policy from forging it.
+            env["HARNESSRL_REWARD_TOKEN"] = self.reward_token
         proc = self._spawn("proxy", command, env)
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):
@@ -290,20 +301,33 @@ class LocalRun:
         return resolve(self.base, working) if working else self.base
 
     def _harness_env(self) -> dict[str, str]:
+        return self._local_env(self.spec.harness.env, "spec.harness.env")
+
+    @staticmethod
+    def _local_env(variables: list[EnvVar], field: str) -> dict[str, str]:
         env: dict[str, str] = {}
-        for var in self.spec.harness.env:
+        for var in variables:
             if var.value is None:
-                raise RunError(f"spec.harness.env {var.name}: valueFrom only works on a cluster; give a value")
+                raise RunError(f"{field} {var.name}: valueFrom only works on a cluster; give a value")
             env[var.name] = var.value
         # The harness uses the runner's Python environment (`python` finds the same packages).
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
         return env
 
-    @staticmethod
-    def _contract(proxy_url: str, launch: Launch) -> dict[str, str]:
+    def _contract(self, proxy_url: str, launch: Launch) -> dict[str, str]:
+        """With a verifier the harness gets no reward URL; the verifier gets it and the token
+        (:meth:`_verifier_contract`)."""
         base = f"{proxy_url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
-        return {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "harnessrl", "HARNESSRL_MODEL_NAME": SERVED_MODEL_NAME,
-                "HARNESSRL_REWARD_URL": f"{base}/reward"}
+        contract = {"OPENAI_BASE_URL": base, "OPENAI_API_KEY": "harnessrl", "HARNESSRL_MODEL_NAME": SERVED_MODEL_NAME}
+        if self.reward_token is None:
+            contract["HARNESSRL_REWARD_URL"] = f"{base}/reward"
+        return contract
+
+    def _verifier_contract(self, proxy_url: str, launch: Launch) -> dict[str, str]:
+        base = f"{proxy_url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
+        verifier = self.spec.harness.verifier
+        return {**self._local_env(verifier.env, "spec.harness.verifier.env"),
+                "HARNESSRL_REWARD_URL": f"{base}/reward", "HARNESSRL_REWARD_TOKEN": self.reward_token}
 
 
     # --- the end ------------------------------------------------------------------------------------------------

@@ -132,8 +132,30 @@ class Sandbox(SpecModel):
     )
 
 
+class Verifier(SpecModel):
+    """A program that scores the harness's work after the harness has exited, so the policy cannot forge
+    its own reward: in a coding task the model's shell commands run with the harness's rights and could
+    report any reward. Only the verifier gets the token the proxy requires on ``/v1/reward``
+    (``HARNESSRL_REWARD_TOKEN``); the harness gets no reward URL. Both see the same workspace directory
+    (``HARNESSRL_WORKSPACE``: an emptyDir in a pod, the attempt's directory in ``harnessrl run``). A harness
+    that exits non-zero is not verified: its attempt fails as without a verifier."""
+
+    image: str | None = Field(default=None, min_length=1)
+    """Container image of the verifier; default: the harness's image (the task's, when it names one)."""
+    command: list[str] = Field(min_length=1)
+    """The verifier program, e.g. [python, -m, run_tests]; it POSTs the reward to HARNESSRL_REWARD_URL with
+    the header Authorization: Bearer $HARNESSRL_REWARD_TOKEN."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments after command."""
+    env: list[EnvVar] = Field(default_factory=list)
+    """Environment variables; the task, the reward URL and token and the workspace are set by harnessrl."""
+    resources: Resources = Field(default_factory=Resources)
+    """Requests and limits of the verifier container."""
+
+
 class Harness(SpecModel):
-    """The agent harness: a container that runs one rollout of one task and reports a reward."""
+    """The agent harness: a container that runs one rollout of one task and reports a reward (or leaves its
+    work for ``verifier`` to score)."""
 
     image: str | None = Field(default=None, min_length=1)
     """Container image for harness pods (a task may override it); `harnessrl run` runs the command locally."""
@@ -159,5 +181,8 @@ class Harness(SpecModel):
     """Isolation settings."""
     resources: Resources = Field(default_factory=Resources)
     """Requests and limits of each harness container."""
+    verifier: Verifier | None = None
+    """Score each attempt with a separate program after the harness, which alone may report the reward.
+    Unset: the harness reports its own reward."""
 
     changeable: ClassVar[frozenset[str] | None] = frozenset({"concurrency", "timeout_seconds", "max_attempts"})
