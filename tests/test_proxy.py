@@ -142,7 +142,7 @@ def test_calls_wait_in_the_writer_queue_prepared(upstream, make_proxy, store, mo
     monkeypatch.setattr(
         store, "add_calls", lambda calls: (seen.extend(map(type, calls)), add_calls(calls))[1]
     )
-    proxy = make_proxy([upstream.url], write_linger_s=0.5)
+    proxy = make_proxy([upstream.url], write_linger_s=30.0)  # the writer takes them at the flush only
     for _ in range(3):
         client(proxy.v1).chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
     proxy.flush()
