@@ -27,7 +27,7 @@ if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build; else
   cat "$kube_log" >&2; echo "WARNING: the Kubernetes control plane could not be built; its tests will fail" >&2
 fi
 rm -f "$kube_log"
-python3 src/harnessrl/devcluster/helm.py >/dev/null || echo "WARNING: helm could not be fetched; the chart tests will fail" >&2
+scripts/chart-tools.sh || echo "WARNING: no helm or no prometheus; the chart tests will fail" >&2
 # pytest's exit code is the script's (not exec: the EXIT trap must stop PostgreSQL); 5, nothing collected,
 # is a failure too.
 pytest "$@"

@@ -312,6 +312,7 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     assert not by_kind(without, "ServiceMonitor") and not by_kind(without, "PodMonitor")
     with_api = render(helm, "--api-versions", PROMETHEUS)
     monitor = one(with_api, "ServiceMonitor")
+    assert monitor["spec"]["endpoints"][0]["honorLabels"] is True  # the series' own namespace and run labels win
     metrics = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-metrics"))
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= metrics["metadata"]["labels"].items()

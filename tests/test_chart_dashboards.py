@@ -1,0 +1,186 @@
+"""The chart's dashboards against a real Prometheus (Debian's package; scripts/chart-tools.sh installs it).
+
+Prometheus scrapes a real capture proxy process (`harnessrl proxy` in front of the fake vLLM upstream, a real
+PostgreSQL store) while a harness-like client makes calls through it; midway the store refuses connections for a
+while, so calls are spooled and replayed as in an outage. Then every query of every dashboard goes through
+Prometheus' HTTP API with the dashboard variables set to "all": each must parse, and each query of the proxy
+dashboard must return at least one series (a query on a metric the proxy does not export returns none and
+fails). The learner's and operator's queries are only parsed here: this test runs neither.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kube_helpers
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIABLES = {"$namespace": ".*", "$run": ".*", "$__rate_interval": "30s"}
+wait_for = functools.partial(kube_helpers.wait_for, timeout=90.0, every=1.0)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    spec = importlib.util.spec_from_file_location("harnessrl_chart_dashboards", ROOT / "charts" / "dashboards.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {name.removesuffix(".json"): json.loads(text) for name, text in module.render().items()}
+
+
+def queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL with the variables set to all) of every panel target."""
+    out = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets") or []:
+            expr = target["expr"]
+            for variable, value in VARIABLES.items():
+                expr = expr.replace(variable, value)
+            out.append((panel["title"], expr))
+    return out
+
+
+class Processes:
+    """Processes this test starts, stopped by their own ids (never by name)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs, self.started = logs, []
+
+    def start(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed in stop()
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd="/")
+        self.started.append((name, process, log))
+        return process
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {name}\n" + (self.logs / f"{name}.log").read_text(errors="replace")[-2000:]
+                         for name, _, _ in self.started)
+
+    def stop(self) -> None:
+        for _, process, log in reversed(self.started):
+            process.terminate()
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            log.close()
+
+
+@pytest.fixture
+def prometheus_binary() -> str:
+    binary = shutil.which("prometheus")
+    if binary is None:
+        if os.environ.get("HARNESSRL_TEST_PROMETHEUS_REQUIRED", "1") != "0":
+            pytest.fail("no prometheus binary: run scripts/chart-tools.sh (apt-get install prometheus)",
+                        pytrace=False)
+        pytest.skip("no prometheus binary (HARNESSRL_TEST_PROMETHEUS_REQUIRED=0)")
+    return binary
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    running = Processes(tmp_path)
+    try:
+        yield running
+    finally:
+        print(running.tail())  # shown when the test fails
+        running.stop()
+
+
+def ask(prometheus: str, expr: str) -> dict[str, Any]:
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as error:  # 400: the query does not parse
+        return json.load(error)
+
+
+def store_outage(store_url: str, refuse: bool) -> None:
+    """The store's database refuses new connections (and its open ones are ended), or takes them again."""
+    from sqlalchemy import create_engine, make_url, text
+
+    url = make_url(store_url)
+    engine = create_engine(url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with engine.connect() as connection:
+        connection.execute(text(f'ALTER DATABASE "{url.database}" ALLOW_CONNECTIONS {"false" if refuse else "true"}'))
+        if refuse:
+            connection.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"),
+                               {"d": url.database})
+    engine.dispose()
+
+
+@pytest.mark.postgres
+def test_every_dashboard_query_runs_on_prometheus_and_the_proxys_return_series(
+    prometheus_binary: str, processes: Processes, tmp_path: Path, pg_url: str
+) -> None:
+    bin_dir = Path(sys.executable).parent
+    upstream_port, proxy_port, prometheus_port = free_port(), free_port(), free_port()
+    processes.start("upstream", [sys.executable, "-m", "harnessrl.proxy.fake_upstream", "--port", str(upstream_port)])
+    processes.start("proxy", [
+        str(bin_dir / "harnessrl"), "proxy", "--upstream", f"http://127.0.0.1:{upstream_port}",
+        "--store", pg_url, "--upgrade-db", "--port", str(proxy_port),
+        "--run", "dash", "--spool", str(tmp_path / "proxy.spool"),
+    ])
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "proxy", "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}]}],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    processes.start("prometheus", [
+        prometheus_binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
+    ])
+    prometheus = f"http://127.0.0.1:{prometheus_port}"
+    proxy = f"http://127.0.0.1:{proxy_port}"
+
+    def up(url: str) -> bool:
+        try:
+            return httpx.get(url, timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for("the proxy", lambda: up(f"{proxy}/healthz"))
+    wait_for("prometheus", lambda: up(f"{prometheus}/-/ready"))
+    # A harness's traffic: calls of a few rollouts, each ending with its reward, over some scrapes; calls 6 to
+    # 11 meet a store outage (spooled), replayed once it is back.
+    with httpx.Client(timeout=30) as client:
+        for i in range(18):
+            if i in (6, 12):
+                store_outage(pg_url, refuse=i == 6)
+            base = f"{proxy}/rollouts/dash-r{i % 4}/attempts/0/v1"
+            answer = client.post(f"{base}/chat/completions",
+                                 json={"model": "m", "messages": [{"role": "user", "content": f"hello {i}"}]})
+            assert answer.status_code == 200, answer.text
+            time.sleep(0.5)
+        for r in range(4):
+            assert client.post(f"{proxy}/rollouts/dash-r{r}/attempts/0/v1/reward", json={"value": 0.5}).is_success
+
+    boards = dashboards()
+    for name, dashboard in boards.items():
+        for title, expr in queries(dashboard):
+            answer = ask(prometheus, expr)
+            assert answer["status"] == "success", f"{name}: {title!r}: {expr}: {answer.get('error')}"
+    for title, expr in queries(boards["proxy"]):
+        wait_for(f"a series for proxy panel {title!r}: {expr}", lambda expr=expr: ask(prometheus, expr)["data"]["result"])
