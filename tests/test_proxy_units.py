@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -413,6 +414,34 @@ def test_a_full_spool_holds_the_rest_in_memory_says_so_and_replays_everything(tm
     assert writer.problem() is None and spool.pending == 0 and spool.size == 0
     assert writer.close(5)
     assert [c.seq for c in store.read_calls("r", 0)] == list(range(20))
+    store.close()
+
+
+def test_a_spool_the_disk_refuses_holds_the_items_reports_it_and_recovers(tmp_path: Path):
+    """The store is away and the spool's disk is full (its descriptor points at /dev/full: every write fails
+    with ENOSPC): the writer thread must not die. It reports the error, keeps the items, and stores them all
+    once the store is back."""
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'late.db'}")  # no tables yet: an outage to the writer
+    spool = Spool(tmp_path / "s.jsonl")
+    writer = TraceWriter(store, spool, ProxyMetrics(), batch_size=4, retry_s=0.01, retry_max_s=0.05,
+                         linger_s=0.0)
+    fd = spool._append.fileno()
+    saved = os.dup(fd)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, fd)
+    os.close(full)
+    writer.start()
+    for seq in range(6):
+        writer.put(CallItem(record(seq)))
+    wait_until(lambda: "No space left on device" in (writer.problem() or ""), "the writer to report ENOSPC")
+    assert spool.pending == 0 and writer.depth == 6
+    os.dup2(saved, fd)  # the disk has room again
+    os.close(saved)
+    store.upgrade()
+    assert writer.flush(30)
+    assert writer.problem() is None
+    assert writer.close(5)
+    assert [c.seq for c in store.read_calls("r", 0)] == list(range(6))
     store.close()
 
 
