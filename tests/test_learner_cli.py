@@ -65,3 +65,33 @@ def test_a_bad_spec_names_its_problems(tiny: Path, tmp_path: Path):
                  "--output", str(tmp_path / "out"))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "spec.harness.groupSize" in proc.stderr
+
+
+def test_a_sync_that_fails_after_its_retries_stops_the_learner(tiny: Path, tmp_path: Path):
+    """spec.weightSync.retries: a failed sync fails the run. The learner trains step 1, cannot load it on the
+    (dead) replica, and exits non-zero naming the replica and the settings, before training step 2; version 1
+    stays committed and unsynced for a restarted learner to sync first."""
+    from learner_helpers import Sample, record_group
+    from test_weight_sync import dead_url
+
+    from harnessrl.store import TraceStore
+    from harnessrl.store.learner_ledger import LearnerLedger
+
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    with TraceStore.connect(url) as store:
+        store.upgrade()
+        prompt = list(range(20, 30))
+        for task in ("a", "b"):  # two steps' worth: the learner must stop after the first
+            record_group(store, "r", task, [Sample(((prompt, [300 + i] * 4, [-2.0] * 4),), float(i)) for i in range(2)])
+    dead = dead_url()
+    proc = learn("--store", url, "--run", "r", "--model", str(tiny), "--output", str(tmp_path / "out"),
+                 "--steps", "2", "--tasks-per-step", "1", "--group-size", "2", "--wait-timeout", "1",
+                 "--replica", dead)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error:")]
+    assert "weight sync of version 1 failed after 3 tries" in line and dead in line
+    assert "spec.weightSync.retries" in line
+    with TraceStore.connect(url) as store:
+        ledger = LearnerLedger(store, "r")
+        assert ledger.committed_version() == 1 and not ledger.version(1).synced

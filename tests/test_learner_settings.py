@@ -35,6 +35,7 @@ def test_the_cluster_example_becomes_learner_settings(tmp_path: Path):
     assert settings.max_row_tokens == learner.rows.max_row_tokens
     assert settings.pause_mode == spec.proxy.pause.mode
     assert settings.sync_tries == spec.weight_sync.retries + 1
+    assert settings.sync_timeout_s == spec.weight_sync.timeout_seconds
     assert settings.mini_batches == learner.mini_batches
     assert settings.loss.rollout_kl_coef == learner.algorithm.rollout_kl_coef
 

@@ -134,3 +134,17 @@ def test_a_dns_name_with_no_replica_behind_it_fails_the_sync(answers):
 def test_a_replica_set_written_wrong_names_the_form():
     with pytest.raises(SyncError, match=r"dns://NAME:PORT"):
         resolve_replica_urls("dns://run-rollout-pods")
+
+
+def test_the_time_limit_bounds_a_sync_whose_replica_never_answers():
+    """spec.weightSync.timeoutSeconds: a replica that accepts connections and never answers (a listening
+    socket nobody accepts from) fails the sync once the limit passed, not after tries × request timeouts."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        replica = VllmReplica(url, timeout_s=0.5)
+        report = WeightSync([replica], tries=50, backoff_s=0.01, timeout_s=1.0).sync(2, Path("/ckpt/v000002"))
+    assert not report.ok
+    (result,) = report.replicas
+    assert result.tries < 50 and "spec.weightSync.timeoutSeconds" in result.error and "ReadTimeout" in result.error

@@ -162,6 +162,7 @@ def _run_learner(settings, store_url: str) -> None:
     from harnessrl.store.learner_ledger import CommitRefused
     from harnessrl.trainer.engine import PolicyEngine, init_distributed
     from harnessrl.trainer.learner import Learner
+    from harnessrl.trainer.weight_sync import SyncError
 
     store = None
     if int(os.environ.get("RANK", "0")) == 0:  # before the slow engine start, so a wrong URL fails at once
@@ -174,7 +175,7 @@ def _run_learner(settings, store_url: str) -> None:
     engine = PolicyEngine(settings.model_dir, settings.engine, dist)
     try:
         outcomes = Learner(settings, engine, store).run()
-    except CommitRefused as exc:
+    except (CommitRefused, SyncError) as exc:  # SyncError: a sync failed after its retries (spec.weightSync)
         raise click.ClickException(str(exc)) from None
     finally:
         if store is not None:

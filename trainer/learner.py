@@ -10,7 +10,12 @@ the checkpoint. What makes a crash at any point safe:
   directories (written by a learner killed between save and commit), restores weights and optimizer state of
   that version and redoes the next step. Its rollouts are still unconsumed, so none is trained on twice and
   the version sequence has no gap;
-* a committed version that was not yet synced (killed between commit and sync) is synced on start.
+* a committed version that was not yet synced (killed between commit and sync, or a sync that failed) is
+  synced on start.
+
+A sync that fails after its retries (``spec.weightSync.retries``, within ``timeoutSeconds``) stops the learner
+with :class:`SyncFailed` on every rank: the version stays committed and unsynced, and a restarted learner
+syncs it before anything else.
 
 Step ``n`` produces policy version ``n``; version 0 is the base model. A step whose rollouts give no trainable
 token (all groups had equal rewards, say) still consumes them and writes a version with unchanged weights,
@@ -62,6 +67,8 @@ from harnessrl.trainer.rows import Row, RowMode, RowStats, merge_calls_into_rows
 from harnessrl.trainer.weight_sync import (
     ProxyAdminGate,
     ReplicaSet,
+    SyncError,
+    SyncFailed,
     SyncReport,
     WeightSync,
     check_inplace_reload,
@@ -99,6 +106,7 @@ class LearnerSettings:
     drain_timeout_s: float = 30.0
     sync_tries: int = 3
     sync_backoff_s: float = 1.0
+    sync_timeout_s: float = 600.0  # spec.weightSync.timeoutSeconds: no retry after it, no request longer
     poll_interval_s: float = 2.0
     wait_timeout_s: float | None = None  # stop when no step's worth of rollouts arrives for this long
     metrics_port: int | None = None
@@ -140,7 +148,7 @@ class LearnerSettings:
             "advantage": AdvantageConfig.from_spec(learner), "loss": loss,
             "mini_batches": learner.mini_batches,
             "keep_checkpoints": learner.keep_checkpoints, "pause_mode": spec.proxy.pause.mode,
-            "sync_tries": spec.weight_sync.retries + 1,
+            "sync_tries": spec.weight_sync.retries + 1, "sync_timeout_s": float(spec.weight_sync.timeout_seconds),
         }
         return cls(**(values | overrides))
 
@@ -227,12 +235,13 @@ class Learner:
         self.restored = restore_checkpoint(self.engine, self.ckpt, self.version)
         if self.restored == "weights-only":
             log.warning("version %d has no engine state: weights restored, optimizer state starts fresh", self.version)
+        failure: Exception | None = None
         if self.main:
             assert self.ledger is not None
             info = self.ledger.version(self.version)
             if info is not None and not info.synced:
-                self._sync(self.version, Path(info.checkpoint_path))
-        torch.distributed.barrier()
+                failure = self._sync(self.version, Path(info.checkpoint_path))
+        self._stop_on_failed_sync(failure)
         return self.version
 
     def _write_initial_adapter(self) -> Path:
@@ -302,13 +311,13 @@ class Learner:
         if self.hooks.after_commit:
             self.hooks.after_commit(step)
 
-        synced = False
+        failure: Exception | None = None
         if self.main:
             self.ckpt.prune(step)
-            synced = self._sync(step, path).ok
-            metrics["synced"] = synced
-        torch.distributed.barrier()
-        return StepOutcome(step, step, metrics, synced)
+            failure = self._sync(step, path)
+            metrics["synced"] = failure is None
+        self._stop_on_failed_sync(failure)
+        return StepOutcome(step, step, metrics, True)
 
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
@@ -414,13 +423,24 @@ class Learner:
                                       sum_norm_tokens=self.settings.loss.sum_norm_tokens)
         return [weights[i, : row.num_tokens].numpy().astype(np.float32) for i, row in enumerate(rows)]
 
-    def _sync(self, version: int, path: Path) -> SyncReport:
+    def _sync(self, version: int, path: Path) -> SyncFailed | None:
+        """Rank 0: sync ``version``; the failure to stop the run with, or None when every replica has it."""
         assert self.sync is not None and self.ledger is not None
-        report = self.sync.sync(version, path)
+        report: SyncReport = self.sync.sync(version, path)
         self.metrics.observe_sync(version, report.ok, report.seconds)
         if report.ok:
             self.ledger.mark_synced(version)
-        return report
+            return None
+        return SyncFailed(report, self.sync.tries, self.sync.timeout_s)
+
+    def _stop_on_failed_sync(self, failure: Exception | None) -> None:
+        """Collective: every rank raises rank 0's sync failure, so no rank waits for a step that never comes."""
+        box: list[Any] = [None if failure is None else str(failure)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        if self.main and failure is not None:
+            raise failure
+        if box[0] is not None:
+            raise SyncError(box[0])
 
     # -- every rank --------------------------------------------------------------------------------------------
 
@@ -561,7 +581,9 @@ def default_weight_sync(settings: LearnerSettings) -> WeightSync:
     lora = settings.lora_name if settings.engine.lora is not None else None
     if lora is None and settings.replicas:
         check_inplace_reload(settings.model_dir)
-    replicas = ReplicaSet(settings.replicas, lora_name=lora)  # URLs, or dns://NAME:PORT resolved at each sync
+    # URLs, or dns://NAME:PORT resolved at each sync
+    replicas = ReplicaSet(settings.replicas, lora_name=lora, timeout_s=settings.sync_timeout_s)
     gate = ProxyAdminGate(settings.proxies, mode=settings.pause_mode, drain_timeout_s=settings.drain_timeout_s) \
         if settings.proxies else None
-    return WeightSync(replicas.current, gate, tries=settings.sync_tries, backoff_s=settings.sync_backoff_s)
+    return WeightSync(replicas.current, gate, tries=settings.sync_tries, backoff_s=settings.sync_backoff_s,
+                      timeout_s=settings.sync_timeout_s)

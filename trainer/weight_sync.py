@@ -7,7 +7,11 @@ modes wait/reject); load the checkpoint on every replica (in-place ``reload_weig
 reloaded in place); label each replica with the version (``/update_weight_version``, which ``GET
 /weight_info`` answers, so a proxy pinned to a replica knows what served each call) and tell the gate;
 resume; check that each replica answers a one-token request. A replica that fails is retried with
-exponential backoff; the result says which replicas failed and why. The version is only announced (and the
+exponential backoff, but no retry starts once the sync's time limit (``spec.weightSync.timeoutSeconds``) has
+passed, and no single request waits longer than that limit; the result says which replicas failed and why.
+A sync that fails after its retries stops the learner (:class:`SyncFailed`, raised by the learner): training
+on while the rollout side serves an older version would pile up ever staler rollouts, which is not the run
+the spec asked for. The version is only announced (and the
 caller only marks it synced in the store) when *every* replica loaded it; replicas and proxies are resumed
 whatever happens, so a failed sync never leaves harnesses hanging.
 
@@ -39,6 +43,22 @@ PauseMode = Literal["wait", "reject"]
 
 class SyncError(RuntimeError):
     """One replica or proxy refused an operation; the message names it and the HTTP answer."""
+
+
+class SyncFailed(SyncError):
+    """A version did not reach every replica after its retries: the run cannot go on (the spec's
+    ``weightSync.retries`` says a failed sync fails the run). The message names each failed replica and why."""
+
+    def __init__(self, report: SyncReport, tries: int, timeout_s: float | None) -> None:
+        failed = "; ".join(f"{r.name}: {r.error}" for r in report.replicas if not r.ok)
+        limit = f", {timeout_s:g} s limit" if timeout_s is not None else ""
+        super().__init__(
+            f"weight sync of version {report.version} failed after {tries} tries{limit} on {failed}. The version is "
+            "committed but not served; fix the replicas (are they running and reachable?) and start the learner "
+            "again, which syncs it first; spec.weightSync.retries and spec.weightSync.timeoutSeconds set how "
+            "long a sync may keep trying"
+        )
+        self.report = report
 
 
 def check_inplace_reload(model_dir: Path) -> None:
@@ -175,7 +195,7 @@ class VllmReplica:
     Full weights: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`` loads
     the safetensors in place (~60 ms for the tiny model). LoRA: ``POST /v1/load_lora_adapter`` with
     ``load_inplace`` replaces the adapter ``lora_name`` under the same name, so harnesses keep asking for one
-    model name across versions.
+    model name across versions. ``timeout_s`` bounds each request (``spec.weightSync.timeoutSeconds``).
     """
 
     def __init__(self, base_url: str, lora_name: str | None = None, timeout_s: float = 600.0,
@@ -282,9 +302,17 @@ class SyncReport:
         }
 
 
+class SyncTimeout(SyncError):
+    """The sync's time limit passed before this operation succeeded."""
+
+
 def retry(fn: Callable[[], Any], tries: int, backoff_s: float, what: str,
-          sleep: Callable[[float], None] = time.sleep) -> Any:
-    """``fn()`` up to ``tries`` times, doubling the wait after each failure; the last error is raised."""
+          sleep: Callable[[float], None] = time.sleep, deadline: float | None = None) -> Any:
+    """``fn()`` up to ``tries`` times, doubling the wait after each failure; the last error is raised.
+
+    ``deadline`` (``time.monotonic()``): no retry starts after it, so retries cannot stretch a sync past its
+    limit; the error then says so. The first try always runs (a resume must be sent even late).
+    """
     for attempt in range(1, tries + 1):
         try:
             return fn()
@@ -292,6 +320,9 @@ def retry(fn: Callable[[], Any], tries: int, backoff_s: float, what: str,
             if attempt == tries:
                 raise
             wait = backoff_s * 2 ** (attempt - 1)
+            if deadline is not None and time.monotonic() + wait >= deadline:
+                raise SyncTimeout(f"gave up after {attempt} of {tries} tries: the sync's time limit "
+                                  f"(spec.weightSync.timeoutSeconds) passed; last error {_one_line(exc)}") from exc
             log.warning("%s failed (try %d of %d, next in %.1f s): %s", what, attempt, tries, wait, _one_line(exc))
             sleep(wait)
     raise AssertionError("unreachable")
@@ -322,10 +353,11 @@ class ReplicaSet:
     stays."""
 
     def __init__(self, targets: Sequence[str], lora_name: str | None = None,
-                 resolve: Callable[..., list] = socket.getaddrinfo) -> None:
+                 resolve: Callable[..., list] = socket.getaddrinfo, timeout_s: float = 600.0) -> None:
         self.targets = list(targets)
         self.lora_name = lora_name
         self.resolve = resolve
+        self.timeout_s = timeout_s
         self._known: dict[str, VllmReplica] = {}
 
     @property
@@ -336,7 +368,8 @@ class ReplicaSet:
         urls = [url for target in self.targets for url in resolve_replica_urls(target, self.resolve)]
         if self.dynamic and not urls:
             raise SyncError(f"no vLLM replica behind {self.targets} — are the vLLM pods Ready?")
-        replicas = {url: self._known.get(url) or VllmReplica(url, lora_name=self.lora_name) for url in urls}
+        replicas = {url: self._known.get(url) or VllmReplica(url, lora_name=self.lora_name, timeout_s=self.timeout_s)
+                    for url in urls}
         for url in set(self._known) - set(replicas):
             self._known.pop(url).close()
         self._known.update(replicas)
@@ -348,17 +381,23 @@ class WeightSync:
 
     ``replicas``: a fixed list, or a callable giving the replicas of each sync (:meth:`ReplicaSet.current`).
     An empty fixed list is a learner with no rollout side (tests, offline training): nothing to load, and
-    the version is announced to the gate alone.
+    the version is announced to the gate alone. ``timeout_s``: no retry starts later than this after the
+    sync began (``spec.weightSync.timeoutSeconds``; each replica's requests carry the same bound).
     """
 
     def __init__(self, replicas: Sequence[Replica] | Callable[[], Sequence[Replica]], gate: RolloutGate | None = None,
-                 tries: int = 3, backoff_s: float = 1.0) -> None:
+                 tries: int = 3, backoff_s: float = 1.0, timeout_s: float | None = None) -> None:
         if tries < 1:
             raise ValueError("tries must be >= 1")
         self.replicas = replicas
         self.gate = gate or NoGate()
         self.tries = tries
         self.backoff_s = backoff_s
+        self.timeout_s = timeout_s
+        self._deadline: float | None = None
+
+    def _retry(self, fn: Callable[[], Any], what: str) -> Any:
+        return retry(fn, self.tries, self.backoff_s, what=what, deadline=self._deadline)
 
     def _current(self) -> list[Replica]:
         return list(self.replicas() if callable(self.replicas) else self.replicas)
@@ -367,7 +406,7 @@ class WeightSync:
         """``operation`` on every replica at once; errors by replica name (after retries)."""
         def one(replica: Replica) -> str | None:
             try:
-                retry(lambda: operation(replica), self.tries, self.backoff_s, what=f"{replica.name}")
+                self._retry(lambda: operation(replica), what=f"{replica.name}")
             except Exception as exc:  # noqa: BLE001 - reported per replica, never fatal to the others
                 return _one_line(exc)
             return None
@@ -386,13 +425,14 @@ class WeightSync:
             replica.load(checkpoint, version)
 
         try:
-            retry(attempt, self.tries, self.backoff_s, what=f"weight sync of {replica.name}")
+            self._retry(attempt, what=f"weight sync of {replica.name}")
         except Exception as exc:  # noqa: BLE001 - any failure of a replica is reported, never fatal to the sync
             return ReplicaResult(replica.name, False, count, time.perf_counter() - started, _one_line(exc))
         return ReplicaResult(replica.name, True, count, time.perf_counter() - started)
 
     def sync(self, version: int, checkpoint: Path) -> SyncReport:
         started = time.perf_counter()
+        self._deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         gate_errors: dict[str, str] = {}
         pause = GateReport({})
         results: list[ReplicaResult] = []
