@@ -8,7 +8,8 @@ not that the images work. What the operator may do is proven by running the real
 process on this machine with a token of the chart's ServiceAccount from the real apiserver: it takes a run
 through create, pods, status, events, deadline, TTL clean-up and delete, and the API server's audit log of that
 ServiceAccount must show no refused request and every granted verb used (RBAC that grants more than the
-operator does fails the test).
+operator does fails the test). A real Prometheus scrapes that operator meanwhile: every query of the operator
+dashboard must return series (but those on counters of failures, which a healthy run never creates).
 
 The cluster is this module's own (not the session's `kube`): it audits the ServiceAccount, and the chart
 installs the CRD itself.
@@ -22,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,15 @@ from typing import Any
 import kube_helpers
 import pytest
 import yaml
+from test_chart_dashboards import (
+    Processes,
+    ask,
+    dashboards,
+    free_port,
+    prometheus_binary,
+    queries,
+    start_prometheus,
+)
 from test_operator_cluster import Harnesses, training_run
 
 from harnessrl.devcluster import BuildError, Cluster, ClusterError, start_cluster
@@ -42,6 +53,9 @@ SERVICE_ACCOUNT = f"{RELEASE}-harnessrl"
 SA_USER = f"system:serviceaccount:{SYSTEM}:{SERVICE_ACCOUNT}"
 
 pytestmark = pytest.mark.slow
+__all__ = ["prometheus_binary"]  # the fixture, imported
+# Counters of failures only: a healthy run has none of their series (the names are checked in test_chart.py).
+FAILURES_ONLY = ("harnessrl_operator_reconcile_errors_total", "harnessrl_operator_pod_create_failures_total")
 wait_for = functools.partial(kube_helpers.wait_for, timeout=120.0)
 
 
@@ -182,8 +196,9 @@ def audited(kube: Cluster) -> tuple[set[tuple[str, str, str]], list[str]]:
 
 @pytest.mark.postgres
 def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactly_its_rights(
-    cluster: Cluster, helm: Any, pg_url: str, tmp_path: Path
+    cluster: Cluster, helm: Any, pg_url: str, tmp_path: Path, prometheus_binary: str
 ) -> None:
+    """Also the operator dashboard on a real Prometheus that scraped this operator: every query returns series."""
     install(cluster, helm, RELEASE, SYSTEM, "--set", "webhook.enabled=false")
     ns, run = "team-a", "rbac"
     cluster.kubectl("create", "namespace", ns)
@@ -200,9 +215,13 @@ def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactl
     env = {**os.environ, "KUBECONFIG": str(token_kubeconfig(cluster, tmp_path))}
     log_path = tmp_path / "operator.log"
     harnesses = Harnesses(cluster, ns, run, pg_url, lambda rollout, attempt: (1.0, 0))
+    metrics_port = free_port()
+    processes = Processes(tmp_path)
+    prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{metrics_port}"], tmp_path)
+    started = time.time()
     with open(log_path, "wb") as log:
         operator = subprocess.Popen(
-            [str(Path(sys.executable).parent / "harnessrl"), "operator", "--metrics-port", "0",
+            [str(Path(sys.executable).parent / "harnessrl"), "operator", "--metrics-port", str(metrics_port),
              "--liveness", "http://127.0.0.1:0/healthz"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/",
         )
@@ -223,7 +242,12 @@ def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactl
         events = get(cluster, "events", "-n", ns, "--field-selector", f"involvedObject.name={run}")["items"]
         assert {"DeadlineExceeded", "CleanedUp"} <= {e["reason"] for e in events}
         cluster.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+        for title, expr in queries(dashboards()["operator"]):
+            if not any(metric in expr for metric in FAILURES_ONLY):
+                wait_for(f"a series for operator panel {title!r}: {expr}",
+                         lambda expr=expr: ask(prometheus, expr, since=started)["data"]["result"])
     finally:
+        processes.stop()
         harnesses.close()
         operator.terminate()
         operator.wait(30)

@@ -5,7 +5,8 @@ PostgreSQL store) while a harness-like client makes calls through it; midway the
 while, so calls are spooled and replayed as in an outage. Then every query of every dashboard goes through
 Prometheus' HTTP API with the dashboard variables set to "all": each must parse, and each query of the proxy
 dashboard must return at least one series (a query on a metric the proxy does not export returns none and
-fails). The learner's and operator's queries are only parsed here: this test runs neither.
+fails). The learner's queries are only parsed (no test runs a learner with a metrics port yet); the operator's
+return series in test_chart_cluster.py, which scrapes a real operator.
 """
 
 from __future__ import annotations
@@ -108,13 +109,42 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         running.stop()
 
 
-def ask(prometheus: str, expr: str) -> dict[str, Any]:
-    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def ask(prometheus: str, expr: str, since: float | None = None) -> dict[str, Any]:
+    """The query's answer now, or with ``since`` every series it had at any second since then."""
+    if since is None:
+        url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    else:
+        span = {"query": expr, "start": since, "end": time.time(), "step": 1}
+        url = f"{prometheus}/api/v1/query_range?" + urllib.parse.urlencode(span)
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
             return json.load(response)
     except urllib.error.HTTPError as error:  # 400: the query does not parse
         return json.load(error)
+
+
+def up(url: str) -> bool:
+    try:
+        return httpx.get(url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def start_prometheus(processes: Processes, binary: str, targets: list[str], directory: Path) -> str:
+    """A Prometheus scraping ``targets`` every second; its URL once it is ready."""
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "harnessrl", "static_configs": [{"targets": targets}]}],
+    }
+    (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    processes.start("prometheus", [
+        binary, f"--config.file={directory / 'prometheus.yml'}", f"--storage.tsdb.path={directory / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ])
+    url = f"http://127.0.0.1:{port}"
+    wait_for("prometheus", lambda: up(f"{url}/-/ready"))
+    return url
 
 
 def store_outage(store_url: str, refuse: bool) -> None:
@@ -136,33 +166,16 @@ def test_every_dashboard_query_runs_on_prometheus_and_the_proxys_return_series(
     prometheus_binary: str, processes: Processes, tmp_path: Path, pg_url: str
 ) -> None:
     bin_dir = Path(sys.executable).parent
-    upstream_port, proxy_port, prometheus_port = free_port(), free_port(), free_port()
+    upstream_port, proxy_port = free_port(), free_port()
     processes.start("upstream", [sys.executable, "-m", "harnessrl.proxy.fake_upstream", "--port", str(upstream_port)])
     processes.start("proxy", [
         str(bin_dir / "harnessrl"), "proxy", "--upstream", f"http://127.0.0.1:{upstream_port}",
         "--store", pg_url, "--upgrade-db", "--port", str(proxy_port),
         "--run", "dash", "--spool", str(tmp_path / "proxy.spool"),
     ])
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "proxy", "static_configs": [{"targets": [f"127.0.0.1:{proxy_port}"]}]}],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    processes.start("prometheus", [
-        prometheus_binary, f"--config.file={tmp_path / 'prometheus.yml'}",
-        f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prometheus_port}",
-    ])
-    prometheus = f"http://127.0.0.1:{prometheus_port}"
+    prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{proxy_port}"], tmp_path)
     proxy = f"http://127.0.0.1:{proxy_port}"
-
-    def up(url: str) -> bool:
-        try:
-            return httpx.get(url, timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
     wait_for("the proxy", lambda: up(f"{proxy}/healthz"))
-    wait_for("prometheus", lambda: up(f"{prometheus}/-/ready"))
     # A harness's traffic: calls of a few rollouts, each ending with its reward, over some scrapes; calls 6 to
     # 11 meet a store outage (spooled), replayed once it is back.
     with httpx.Client(timeout=30) as client:
