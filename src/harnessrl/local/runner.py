@@ -121,6 +121,9 @@ class LocalRun:
         # spec.harness.verifier: only the verifier processes get this token, which the proxy asks for on rewards
         self.reward_token = secrets.token_urlsafe(32) if self.spec.harness.verifier is not None else None
         self._children: dict[str, subprocess.Popen[bytes]] = {}
+        self._vllm: VllmServer | None = None  # the policy server this run started (None: an external one)
+        self._external: str | None = None  # an external policy server's base URL, watched by its /health
+        self._unhealthy = 0  # consecutive failed health checks of the external server
 
     def _store_url_from_spec(self) -> str:
         store = self.spec.store
@@ -167,14 +170,20 @@ class LocalRun:
             learner = self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
                   f"from {serving}")
+            failure: RunError | None = None
             with StopSignals() as stop:
-                self._loop(store, scheduler, learner, stop)
+                try:
+                    self._loop(store, scheduler, learner, stop)
+                except RunError as exc:  # a service died: stop the rest, show the summary, then the reason
+                    failure = exc
             if stop.received is not None:
                 print(f"\n{stop.received.name}: stopping harnesses, learner, proxy and vLLM (Ctrl-C again stops at "
                       "once); run the same command to resume", flush=True)
         code = self._children_exit_code("learner")
         self._report(store)
         store.close()
+        if failure is not None:
+            raise failure
         if stop.received is not None:
             return stop.exit_code
         return 0 if code == 0 else 1
@@ -193,13 +202,12 @@ class LocalRun:
             elif line != last_line:
                 print(line, flush=True)
             last_line = line
-            self._check_services()
-            if learner.poll() is not None:
-                if live:
+            try:
+                self._check_services()
+            finally:
+                if live and learner.poll() is not None:
                     print()
-                if learner.returncode != 0:
-                    print(f"the learner exited with code {learner.returncode}; its log: {self.run_dir / 'learner.log'}\n"
-                          f"{tail(self.run_dir / 'learner.log', 30)}")
+            if learner.poll() is not None:
                 return
             time.sleep(self.options.poll_s)
 
@@ -214,6 +222,7 @@ class LocalRun:
             if not healthy(base):
                 raise RunError(f"no healthy vLLM server at {base} (GET /health failed); start it or drop "
                                "--openai-base-url to let harnessrl start one")
+            self._external = base
             return base
         print(f"starting vLLM on {serving} (log {self.run_dir / 'vllm.log'}) ...", flush=True)
         server: VllmServer = start_vllm(
@@ -221,6 +230,7 @@ class LocalRun:
             max_model_len=self.spec.rollout.max_model_len, extra_args=self.spec.rollout.args,
         )
         stack.callback(server.stop)
+        self._vllm = server
         return server.base_url
 
     def _start_proxy(self, upstream: str, version: int) -> str:
@@ -271,10 +281,32 @@ class LocalRun:
         self._children[name] = proc
         return proc
 
+    # An external server may miss a health check under load; this many misses in a row mean it is gone.
+    EXTERNAL_HEALTH_MISSES = 3
+
     def _check_services(self) -> None:
+        """Stop the run (RunError, exit 1) when a service it needs is gone, with that service's log tail.
+
+        Without this a dead vLLM turns every harness call into a 502 and every rollout into a failure while
+        the learner waits forever, and a learner that died leaves harnesses producing rollouts nobody trains
+        on. A learner that exits 0 has finished its steps (the runner then stops the rest).
+        """
         proxy = self._children.get("proxy")
         if proxy is not None and proxy.poll() is not None:
             raise RunError(f"the proxy exited with code {proxy.returncode}:\n{tail(self.run_dir / 'proxy.log')}")
+        if self._vllm is not None and self._vllm.process is not None and self._vllm.process.poll() is not None:
+            raise RunError(f"vLLM exited with code {self._vllm.process.returncode}; its log "
+                           f"{self._vllm.log_path}:\n{tail(self._vllm.log_path, 30)}")
+        if self._external is not None:
+            self._unhealthy = 0 if healthy(self._external) else self._unhealthy + 1
+            if self._unhealthy >= self.EXTERNAL_HEALTH_MISSES:
+                raise RunError(f"the policy server at {self._external} stopped answering GET /health "
+                               f"({self._unhealthy} checks in a row); restart it and run the same command to resume")
+        learner = self._children.get("learner")
+        if learner is not None and learner.poll() not in (None, 0):
+            log_path = self.run_dir / "learner.log"
+            raise RunError(f"the learner exited with code {learner.returncode} before the run's {self.steps} steps "
+                           f"were done; its log {log_path}:\n{tail(log_path, 30)}")
 
     def _stop_children(self) -> None:
         # Learner first (it may be pausing the proxy), then the proxy (SIGTERM flushes its queue to the store).
