@@ -26,8 +26,8 @@ from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableOptio
 OUTPUT = Path(__file__).resolve().parent / "harnessrl" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RUN = 'namespace=~"$namespace", run=~"$run"'
-"""Every series is selected by these labels: the operator's own (honorLabels), the proxies' and vLLM's from the
-PodMonitor (pod namespace, harnessrl.io/run label)."""
+"""Every series is selected by these labels: the operator's carry them (its ServiceMonitor honours them); a
+proxy's or learner's would get them from its pod's scrape, once they can be scraped on a cluster (README)."""
 RATE = "$__rate_interval"
 
 

@@ -318,7 +318,18 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     assert selector.items() <= metrics["metadata"]["labels"].items()
     webhook = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-webhook"))
     assert not selector.items() <= webhook["metadata"]["labels"].items()
-    assert one(with_api, "PodMonitor")["spec"]["namespaceSelector"] == {"any": True}
+    pod_monitor = one(with_api, "PodMonitor")
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    # It selects the vLLM pods the operator renders, by their labels and port name.
+    from harnessrl.operator.config import OperatorConfig
+    from harnessrl.operator.render_rollout import render_rollout_deployment
+    from harnessrl.spec.problems import parse_training_run
+
+    run = parse_training_run(yaml.safe_load((ROOT / "examples" / "trainingrun-cluster.yaml").read_text()))
+    pod = render_rollout_deployment(run, "team-a", "uid", OperatorConfig())["spec"]["template"]
+    assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+    assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
 
 
 def test_watched_namespaces_bind_workload_rights_only_there(helm: Path) -> None:
