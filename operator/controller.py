@@ -22,12 +22,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodApi, PodBackend, PodSummary
 from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso
+from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.models import TrainingRun
 from harnessrl.spec.problems import InvalidSpec, parse_training_run
@@ -65,6 +67,7 @@ class Workloads:
 
     deployment: dict[str, Any] | None
     job: dict[str, Any] | None
+    pods: tuple[WorkloadPod, ...] = ()  # their pods, for what keeps them from running
 
 
 class Apis:
@@ -348,6 +351,9 @@ class RunController:
             available = int((loads.deployment.get("status") or {}).get("availableReplicas") or 0)
             observed.rollout_ready = available > 0
             observed.rollout_message = f"{available}/{spec.rollout.replicas} vLLM replicas serve the model"
+            observed.rollout_problem = workload_problem(loads.pods, naming.ROLLOUT)
+            if observed.rollout_problem is not None:
+                observed.rollout_message += f"; {observed.rollout_problem[1]}"
         else:
             observed.rollout_ready, observed.rollout_message = False, "the vLLM Deployment is being created"
         job_status = (loads.job or {}).get("status") or {}
@@ -367,6 +373,9 @@ class RunController:
         observed.learner_message = (
             f"{active} learner pod(s) running" if loads.job else "the learner Job is being created"
         )
+        observed.learner_problem = workload_problem(loads.pods, naming.LEARNER) if loads.job else None
+        if observed.learner_problem is not None:
+            observed.learner_message += f"; {observed.learner_problem[1]}"
 
     def _progress(self, observed: Observed, status: dict[str, Any]) -> None:
         spec = self.run.spec
@@ -409,6 +418,8 @@ class RunController:
                 )
             observed.phase, observed.reason = Phase.PROVISIONING, Reason.PROVISIONING
             observed.message = observed.rollout_message
+            if observed.rollout_problem is not None:
+                observed.reason, observed.message = observed.rollout_problem
             self.scheduler.reconcile(observed.policy_version)
         else:
             self.scheduler.reconcile(observed.policy_version)
@@ -418,6 +429,8 @@ class RunController:
             else:
                 observed.phase, observed.reason = Phase.RUNNING, Reason.RUNNING
                 observed.message = f"step {version} of {spec.learner.steps}"
+                if observed.learner_problem is not None:  # rollouts go on, but no step will come
+                    observed.reason, observed.message = observed.learner_problem
         observed.counts = self.store.count_attempts(self.name)
 
     def _finished(self, body: dict[str, Any], observed: Observed) -> Observed:

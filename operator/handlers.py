@@ -144,7 +144,9 @@ def run_daemon(
         _state["apis"],
         _state["config"],
         pods=lambda: informer.pods(name),
-        workloads=lambda: Workloads(_first(rollout_deployments, key), _first(learner_jobs, key)),
+        workloads=lambda: Workloads(
+            _first(rollout_deployments, key), _first(learner_jobs, key), informer.workload_pods(name)
+        ),
         renderers=(render_run_children, render_harness_pod),
         metrics=METRICS,
     )

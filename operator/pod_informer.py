@@ -6,7 +6,8 @@ diff-base of the object each time (a deep copy of the whole body, managedFields 
 yappi on 300 rollouts, that was about half of the operator's CPU. The reconciler needs none of it, only a
 current summary of each pod, so one informer per namespace keeps those summaries:
 
-- it lists the namespace's harness pods, marks itself ``synced``, then watches from the list's
+- it lists the namespace's pods of runs (harness pods, and the vLLM and learner pods, whose problems the
+  reconciler reports: ``workload_pods.py``), marks itself ``synced``, then watches from the list's
   resourceVersion; a watch that ends or expires (410 Gone) lists again, and a pod missing from the new list
   is reported as deleted;
 - ``on_change(namespace, run, summary, deleted)`` is called for every pod that ended or disappeared, so the
@@ -25,12 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, RUN_LABEL
+from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodSummary, summarize_pod
+from harnessrl.operator.workload_pods import WorkloadPod, summarize_workload_pod
 
 log = logging.getLogger(__name__)
 
-SELECTOR = f"{COMPONENT_LABEL}={HARNESS},{RUN_LABEL}"
+SELECTOR = RUN_LABEL  # every pod of a run: harness pods, and the vLLM and learner pods (for their problems)
 WATCH_TIMEOUT_S = 300
 
 OnChange = Callable[[str, str, PodSummary, bool], None]
@@ -44,12 +46,17 @@ class PodInformer(threading.Thread):
         self.on_change = on_change
         self.synced = threading.Event()
         self._lock = threading.Lock()
-        self._pods: dict[str, tuple[str, PodSummary]] = {}  # pod name -> (run, summary)
+        self._pods: dict[str, tuple[str, PodSummary]] = {}  # harness pod name -> (run, summary)
+        self._workload: dict[str, tuple[str, WorkloadPod]] = {}  # vLLM or learner pod name -> (run, summary)
         self._stopping = threading.Event()
 
     def pods(self, run: str) -> list[PodSummary]:
         with self._lock:
             return [summary for owner, summary in self._pods.values() if owner == run]
+
+    def workload_pods(self, run: str) -> tuple[WorkloadPod, ...]:
+        with self._lock:
+            return tuple(summary for owner, summary in self._workload.values() if owner == run)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -68,13 +75,17 @@ class PodInformer(threading.Thread):
         listing = self.core.list_namespaced_pod(self.namespace, label_selector=SELECTOR, _preload_content=False)
         data = json.loads(listing.data)
         fresh: dict[str, tuple[str, PodSummary]] = {}
+        workload: dict[str, tuple[str, WorkloadPod]] = {}
         for item in data.get("items") or []:
             entry = _entry(item)
             if entry is not None:
                 fresh[item["metadata"]["name"]] = entry
+            elif (other := _workload_entry(item)) is not None:
+                workload[item["metadata"]["name"]] = other
         with self._lock:
             gone = [self._pods[name] for name in self._pods.keys() - fresh.keys()]
             self._pods = fresh
+            self._workload = workload
         for run, summary in gone:
             self.on_change(self.namespace, run, summary, True)
         for run, summary in fresh.values():
@@ -101,6 +112,7 @@ class PodInformer(threading.Thread):
                 continue
             entry = _entry(item)
             if entry is None:
+                self._note_workload(kind, item)
                 continue
             name = item["metadata"]["name"]
             run, summary = entry
@@ -112,6 +124,23 @@ class PodInformer(threading.Thread):
             if kind == "DELETED" or summary.ended:
                 self.on_change(self.namespace, run, summary, kind == "DELETED")
         log.debug("pod watch for %s ended after %.0f s", self.namespace, time.monotonic() - started)
+
+
+    def _note_workload(self, kind: str, item: dict[str, Any]) -> None:
+        entry = _workload_entry(item)
+        if entry is None:
+            return
+        with self._lock:
+            if kind == "DELETED":
+                self._workload.pop(item["metadata"]["name"], None)
+            else:
+                self._workload[item["metadata"]["name"]] = entry
+
+
+def _workload_entry(item: dict[str, Any]) -> tuple[str, WorkloadPod] | None:
+    run = ((item.get("metadata") or {}).get("labels") or {}).get(RUN_LABEL)
+    summary = summarize_workload_pod(item) if run else None
+    return (run, summary) if summary is not None else None
 
 
 def _entry(item: dict[str, Any]) -> tuple[str, PodSummary] | None:

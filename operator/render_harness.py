@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import PurePosixPath
 from typing import Any
 
 from harnessrl.operator import naming
@@ -31,6 +32,7 @@ from harnessrl.operator.render_common import (
     spec_env,
 )
 from harnessrl.operator.render_secret import reward_token_env, store_url_env
+from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch
 from harnessrl.spec.models import TrainingRun
 
@@ -76,7 +78,8 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
     to this attempt. The admin API is off: the harness shares the network namespace and must not pause the
     proxy or set its version; the version of each call is the weight label of the replica that served it
     (``HARNESSRL_REPLICA_VERSIONS``), so a sync never has to reach hundreds of sidecars. During a sync the
-    replicas themselves are paused and calls wait (``spec.proxy.pause`` is for ``harnessrl run``'s proxy)."""
+    replicas themselves are paused and calls wait (``spec.proxy.pause`` only acts on a proxy the learner pauses:
+    ``harnessrl run``'s). ``spec.proxy``'s settings reach it through the mapping ``harnessrl run`` uses."""
     spec = run.spec
     rollout, proxy = spec.rollout, spec.proxy
     sampling: dict[str, Any] = {"temperature": rollout.temperature, "top_p": rollout.top_p}
@@ -95,9 +98,10 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
         env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
         env("HARNESSRL_SAMPLING", json.dumps(sampling)),
-        env("HARNESSRL_QUEUE_SIZE", str(proxy.queue_size)),
-        env("HARNESSRL_MAX_BODY_BYTES", str(proxy.max_request_body_bytes)),
-        env("HARNESSRL_SPOOL_PATH", f"{SPOOL_DIR}/proxy.spool"),
+        *(
+            env(name, value)
+            for name, value in spec_environment(proxy, PurePosixPath(SPOOL_DIR, "proxy.spool")).items()
+        ),
         *([reward_token_env(run)] if spec.harness.verifier is not None else []),
     ]
 

@@ -30,6 +30,8 @@ class Observed:
     rollout_message: str = ""
     learner_ready: bool | None = None
     learner_message: str = ""
+    rollout_problem: tuple[Reason, str] | None = None  # what keeps vLLM pods from running (workload_pods.py)
+    learner_problem: tuple[Reason, str] | None = None
     policy_version: int | None = None
     step: int | None = None
     counts: dict[RolloutState, int] = field(default_factory=dict)

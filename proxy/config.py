@@ -194,23 +194,6 @@ class ProxyConfig(BaseSettings):
         return Path(tempfile.gettempdir()) / f"harnessrl-proxy-{self.proxy_port}.spool"
 
 
-def spec_environment(proxy: Proxy, spool_path: Path) -> dict[str, str]:
-    """The settings a TrainingRun's ``spec.proxy`` fixes, as the ``HARNESSRL_*`` variables a proxy reads.
-
-    One mapping for every place that starts a proxy from a spec, so no validated field is silently dropped
-    on the way (``spool_path``: where that place puts ``spec.proxy.spoolDir``'s spool file).
-    """
-    return {
-        "HARNESSRL_QUEUE_SIZE": str(proxy.queue_size),
-        "HARNESSRL_QUEUE_MAX_BYTES": str(proxy.queue_max_bytes),
-        "HARNESSRL_SPOOL_PATH": str(spool_path),
-        "HARNESSRL_SPOOL_MAX_BYTES": str(proxy.spool_max_bytes),
-        "HARNESSRL_MAX_BODY_BYTES": str(proxy.max_request_body_bytes),
-        "HARNESSRL_PAUSE_MODE": proxy.pause.mode,
-        "HARNESSRL_PAUSE_RETRY_AFTER_S": str(proxy.pause.retry_after_seconds),
-    }
-
-
 def load_config(**overrides: Any) -> ProxyConfig:
     """Settings from the environment with ``overrides`` (flags) on top; ``None`` overrides are ignored.
 

@@ -212,7 +212,8 @@ def test_pods_that_cannot_start_time_out_or_are_evicted_end_their_attempts(
     kube: Cluster, kube_namespace: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ns, run = kube_namespace, "faults"
-    doc = training_run(run, pg_url, timeoutSeconds=4, maxAttempts=1, groupSize=2, concurrency=4)
+    # 15 s: long enough for the test to evict a hanging pod before its timeout, even on a loaded machine
+    doc = training_run(run, pg_url, timeoutSeconds=15, maxAttempts=1, groupSize=2, concurrency=4)
     doc["spec"]["harness"]["tasks"]["inline"] = [
         {"id": "bad", "image": IMAGE_PULL_BACKOFF_IMAGE},
         {"id": "hang"},
@@ -235,33 +236,38 @@ def test_pods_that_cannot_start_time_out_or_are_evicted_end_their_attempts(
 
             reasons = wait_for("an image-pull failure and a timeout", both_ended)
             assert any(r.startswith("HarnessFailed: ImagePullBackOff") for r in reasons), reasons
-            assert any(r.startswith("Timeout: ran past harness.timeoutSeconds=4") for r in reasons), reasons
-            # Evict a running pod the way the kubelet does: the attempt fails with the eviction's reason.
-            pod = wait_for(
-                "a running hang pod",
-                lambda: next(
-                    (
-                        p
-                        for p in harness_pods(kube, ns, run)
-                        if p["status"].get("phase") == "Running"
-                        and not p["metadata"].get("deletionTimestamp")
-                    ),
-                    None,
-                ),
-            )
-            evicted = copy.deepcopy(pod["status"])
-            evicted.update(phase="Failed", reason="Evicted", message="The node was low on resource: memory.")
-            kube.kubectl(
-                "patch",
-                "pod",
-                pod["metadata"]["name"],
-                "-n",
-                ns,
-                "--subresource=status",
-                "--type=merge",
-                "-p",
-                json.dumps({"status": evicted}),
-            )
+            assert any(r.startswith("Timeout: ran past harness.timeoutSeconds=15") for r in reasons), reasons
+
+            # Evict a running pod the way the kubelet does: the attempt fails with the eviction's reason. The
+            # newest running pod, which has the most time left before its timeout; another one if it went.
+            def evict_one() -> dict[str, Any] | None:
+                running = [
+                    p
+                    for p in harness_pods(kube, ns, run)
+                    if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")
+                ]
+                if not running:
+                    return None
+                pod = max(running, key=lambda p: p["metadata"]["creationTimestamp"])
+                evicted = copy.deepcopy(pod["status"])
+                evicted.update(
+                    phase="Failed", reason="Evicted", message="The node was low on resource: memory."
+                )
+                patched = kube.kubectl(
+                    "patch",
+                    "pod",
+                    pod["metadata"]["name"],
+                    "-n",
+                    ns,
+                    "--subresource=status",
+                    "--type=merge",
+                    "-p",
+                    json.dumps({"status": evicted}),
+                    check=False,
+                )
+                return pod if patched.returncode == 0 else None
+
+            pod = wait_for("a running hang pod, evicted", evict_one)
             rollout = pod["metadata"]["annotations"][ROLLOUT_ANNOTATION]
             attempt = int(pod["metadata"]["annotations"][ATTEMPT_ANNOTATION])
             record = wait_for(
@@ -400,10 +406,45 @@ def test_a_run_with_a_verifier_gets_one_reward_token_that_the_harness_never_sees
         }
         assert holders == {"proxy", "verifier"}
         # Children are applied again after a change; the token stays what it was.
-        kube.kubectl("patch", "tr", run, "-n", ns, "--type=merge", "-p", '{"spec": {"harness": {"concurrency": 3}}}')
+        kube.kubectl(
+            "patch", "tr", run, "-n", ns, "--type=merge", "-p", '{"spec": {"harness": {"concurrency": 3}}}'
+        )
         wait_for(
             "the change observed",
             lambda: get(kube, ns, "tr", run).get("status", {}).get("observedGeneration") == 2,
         )
         assert get(kube, ns, "secret", f"{run}-reward")["data"]["token"] == token
         kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_vllm_pods_that_cannot_run_are_reported_naming_the_field(
+    kube: Cluster, kube_namespace: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real scheduler finds no node with 64 GPUs; kwok's kubelet cannot pull the image: each run stays
+    Provisioning with the reason, a message naming the field, and a Warning Event."""
+    ns = kube_namespace
+    greedy = training_run("greedy", pg_url)
+    greedy["spec"]["rollout"]["gpusPerReplica"] = 64
+    unpullable = training_run("unpullable", pg_url)
+    unpullable["spec"]["rollout"]["image"] = IMAGE_PULL_BACKOFF_IMAGE
+    with operator(kube, ns, monkeypatch):
+        for doc in (greedy, unpullable):
+            kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+        for run, reason, field in (
+            ("greedy", "Unschedulable", "spec.rollout.gpusPerReplica"),
+            ("unpullable", "ImagePullFailed", "spec.rollout.image"),
+        ):
+            status = wait_for(
+                f"{run}: reason {reason}",
+                lambda run=run, reason=reason: (
+                    s if (s := get(kube, ns, "tr", run).get("status", {})).get("reason") == reason else None
+                ),
+            )
+            assert status["phase"] == "Provisioning" and field in status["message"], status
+            rollout = {c["type"]: c for c in status["conditions"]}["RolloutReady"]
+            assert rollout["status"] == "False" and field in rollout["message"]
+            events = get(kube, ns, "events", "--field-selector", f"involvedObject.name={run}")["items"]
+            assert any(e["reason"] == reason and e["type"] == "Warning" for e in events), events
+            assert harness_pods(kube, ns, run) == []  # no harness pod while no replica serves
+        for run in ("greedy", "unpullable"):
+            kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")

@@ -360,8 +360,9 @@ def test_proxy_settings_mirror_the_local_runner() -> None:
     assert (proxy["HARNESSRL_RUN"], proxy["HARNESSRL_ROLLOUT_ID"], proxy["HARNESSRL_ATTEMPT"]) == (
         "swe-qwen", "swe-qwen-g000002-r003", "1",
     )  # fmt: skip
-    assert proxy["HARNESSRL_QUEUE_SIZE"] == "512"
-    assert "HARNESSRL_PAUSE_MODE" not in proxy  # the replicas pause on a cluster (vLLM keeps the calls)
+    # every spec.proxy setting, through the one mapping `harnessrl run` uses too
+    assert (proxy["HARNESSRL_QUEUE_SIZE"], proxy["HARNESSRL_QUEUE_MAX_BYTES"]) == ("512", str(256 * 1024**2))
+    assert proxy["HARNESSRL_SPOOL_MAX_BYTES"] == str(1024**3)
     assert proxy["HARNESSRL_MAX_BODY_BYTES"] == "67108864"
     assert proxy["HARNESSRL_SPOOL_PATH"].startswith("/var/spool/harnessrl/")
 

@@ -38,7 +38,7 @@ from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
 from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
-from harnessrl.proxy.config import spec_environment
+from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.kube import EnvVar
 from harnessrl.spec.models import TrainingRun
