@@ -5,7 +5,8 @@ PostgreSQL store) while a harness-like client makes calls through it; midway the
 while, so calls are spooled and replayed as in an outage. Then every query of every dashboard goes through
 Prometheus' HTTP API with the dashboard variables set to "all": each must parse, and each query of the proxy
 dashboard must return at least one series (a query on a metric the proxy does not export returns none and
-fails). The learner's queries are only parsed (no test runs a learner with a metrics port yet); the operator's
+fails). A second test has it scrape a real learner loop (the tiny model, DeepSpeed on the CPU, two steps on
+recorded rollouts) for the learner dashboard and the run overview's learner panels; the operator's queries
 return series in test_chart_cluster.py, which scrapes a real operator.
 """
 
@@ -30,7 +31,9 @@ import httpx
 import kube_helpers
 import pytest
 import yaml
+from test_learner_learning import tiny, trajectories
 
+__all__ = ["tiny"]  # the fixture, imported
 ROOT = Path(__file__).resolve().parents[1]
 VARIABLES = {"$namespace": ".*", "$run": ".*", "$__rate_interval": "30s"}
 wait_for = functools.partial(kube_helpers.wait_for, timeout=90.0, every=1.0)
@@ -197,3 +200,47 @@ def test_every_dashboard_query_runs_on_prometheus_and_the_proxys_return_series(
             assert answer["status"] == "success", f"{name}: {title!r}: {expr}: {answer.get('error')}"
     for title, expr in queries(boards["proxy"]):
         wait_for(f"a series for proxy panel {title!r}: {expr}", lambda expr=expr: ask(prometheus, expr)["data"]["result"])
+
+
+@pytest.mark.slow
+def test_the_learner_panels_return_series_from_a_real_learner(
+    prometheus_binary: str, processes: Processes, tmp_path: Path, tiny: Path
+) -> None:
+    from learner_helpers import record_group
+    from prometheus_client import start_http_server
+
+    from harnessrl.store import TraceStore
+    from harnessrl.trainer.engine import EngineSettings, PolicyEngine
+    from harnessrl.trainer.learner import Learner, LearnerSettings
+    from harnessrl.trainer.metrics import LearnerMetrics
+
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'store.db'}")
+    store.upgrade()
+    samples = trajectories(tiny)
+    for task in ("t0", "t1"):
+        record_group(store, "dash", task, samples)
+    settings = LearnerSettings(run="dash", model_dir=tiny, output_dir=tmp_path / "out", steps=2, tasks_per_step=1,
+                               group_size=4, engine=EngineSettings(lr=5e-4), wait_timeout_s=0)
+    metrics = LearnerMetrics()
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    try:
+        prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{port}"], tmp_path)
+        started = time.time()
+        outcomes = Learner(settings, PolicyEngine(tiny, settings.engine), store, metrics=metrics).run()
+        assert [o.version for o in outcomes] == [1, 2]
+        boards = dashboards()
+        learner_queries = queries(boards["learner"]) + [
+            (title, expr) for title, expr in queries(boards["runs"]) if "harnessrl_operator_" not in expr
+        ]
+        assert len(learner_queries) > len(queries(boards["learner"]))
+        for title, expr in learner_queries:
+            wait_for(f"a series for learner panel {title!r}: {expr}",
+                     lambda expr=expr: ask(prometheus, expr, since=started)["data"]["result"])
+        # And the numbers are the learner's: its last step reaches Prometheus (at the next scrape).
+        wait_for("Prometheus to see step 2",
+                 lambda: [r for r in ask(prometheus, "max(harnessrl_learner_step)")["data"]["result"]
+                          if float(r["value"][1]) == 2.0])
+    finally:
+        server.shutdown()
+        store.close()
