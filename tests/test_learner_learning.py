@@ -21,6 +21,7 @@ from harnessrl.trainer.engine import EngineSettings, PolicyEngine
 from harnessrl.trainer.learner import Learner, LearnerSettings
 from harnessrl.trainer.losses import LossConfig
 from harnessrl.trainer.metrics import LearnerMetrics
+from harnessrl.trainer.weight_sync import WeightSync
 
 PROMPT = list(range(40, 64))
 OBSERVATION = [7, 8, 9, 10, 11]
@@ -107,20 +108,41 @@ def test_a_few_steps_raise_rewarded_completions_and_lower_the_others(tiny: Path,
     store.close()
 
 
-def test_a_step_without_trainable_rollouts_still_consumes_them_and_keeps_the_weights(tiny: Path, tmp_path: Path):
-    from safetensors.torch import load_file
+class RecordingSync(WeightSync):
+    """The real sync logic (no replica, no proxy), noting whether each version was loaded or only relabelled."""
 
+    def __init__(self) -> None:
+        super().__init__([])
+        self.calls: list[tuple[str, int]] = []
+
+    def sync(self, version: int, checkpoint: Path):
+        self.calls.append(("load", version))
+        return super().sync(version, checkpoint)
+
+    def relabel(self, version: int, previous: int, checkpoint: Path):
+        self.calls.append(("relabel", version))
+        return super().relabel(version, previous, checkpoint)
+
+
+def test_a_step_without_trainable_rollouts_consumes_them_without_saving_or_reloading(tiny: Path, tmp_path: Path):
+    """A step whose groups all have equal rewards trains nothing: its version is the previous one's files
+    (linked, not saved again), the replicas are only relabelled, and the step record says why."""
     store = TraceStore.connect(f"sqlite:///{tmp_path / 'store.db'}")
     store.upgrade()
     prompt = list(range(20, 30))
     keys = record_group(store, "flat", "same", [Sample(((prompt, [300 + i] * 4, [-2.0] * 4),), 1.0) for i in range(3)])
     settings = LearnerSettings(run="flat", model_dir=tiny, output_dir=tmp_path / "out", steps=1, tasks_per_step=1,
                                group_size=3, wait_timeout_s=0)
-    (outcome,) = Learner(settings, PolicyEngine(tiny, settings.engine), store).run()
+    sync = RecordingSync()
+    metrics = LearnerMetrics()
+    (outcome,) = Learner(settings, PolicyEngine(tiny, settings.engine), store, sync=sync, metrics=metrics).run()
     assert outcome.metrics["empty_step"] == 1 and outcome.metrics["zero_variance_groups"] == 1
+    assert outcome.metrics["skipped_reason"].startswith("1 of 1 groups had equal rewards")
     ledger = LearnerLedger(store, "flat")
+    assert ledger.step_metrics(1)["skipped_reason"] == outcome.metrics["skipped_reason"]
     assert set(ledger.consumed_by(1)) == set(keys) and ledger.claim(1, 3) is None
-    published = load_file(tmp_path / "out" / "versions" / "v000001" / "model.safetensors")
-    base = load_file(tiny / "model.safetensors")
-    assert published.keys() == base.keys() and all(torch.equal(published[k], base[k]) for k in base)
+    published = tmp_path / "out" / "versions" / "v000001"
+    assert (published / "model.safetensors").samefile(tiny / "model.safetensors")  # the base model's file
+    assert sync.calls == [("relabel", 1)] and ledger.version(1).synced
+    assert "harnessrl_learner_empty_steps_total 1.0" in metrics.exposition()[0].decode()
     store.close()

@@ -18,8 +18,12 @@ with :class:`SyncFailed` on every rank: the version stays committed and unsynced
 syncs it before anything else.
 
 Step ``n`` produces policy version ``n``; version 0 is the base model. A step whose rollouts give no trainable
-token (all groups had equal rewards, say) still consumes them and writes a version with unchanged weights,
-so the invariant holds and the rollouts are not claimed again.
+token (every group had equal rewards, or every row was dropped) trains nothing and does not pretend it did:
+its version is the previous one's files (hard links, nothing saved), the replicas already serving them are
+only relabelled (no pause, no reload), and the step record says ``empty_step: 1`` with ``skipped_reason``
+(counted in ``harnessrl_learner_empty_steps_total``). It still consumes its rollouts and still takes a
+version number: the scheduler only starts new groups once old ones are consumed, and the store marks a
+consumed rollout with the step (= version) that took it.
 
 A step makes ``mini_batches`` optimizer updates (decoupled PPO, see ``losses``): rank 0 splits the step's
 rollouts into that many parts and weights each part's tokens as a whole batch of its own; every rank first
@@ -286,7 +290,7 @@ class Learner:
         train_seconds = time.perf_counter() - train_started
 
         save_started = time.perf_counter()
-        path = save_checkpoint(self.engine, self.ckpt, step)
+        path = self._carry_over(step) if plan.empty else save_checkpoint(self.engine, self.ckpt, step)
         save_seconds = time.perf_counter() - save_started
         if self.hooks.after_save:
             self.hooks.after_save(step)
@@ -296,6 +300,10 @@ class Learner:
         if self.main:
             assert self.ledger is not None and claim is not None
             metrics = _step_metrics(step, info, result, train_seconds, save_seconds)
+            if plan.empty:
+                metrics["skipped_reason"] = _skipped_reason(info)
+                log.warning("step %d trains nothing (%s): version %d keeps version %d's weights", step,
+                            metrics["skipped_reason"], step, self.version)
             metrics["step_seconds"] = time.perf_counter() - started
             try:
                 self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys)
@@ -314,7 +322,7 @@ class Learner:
         failure: Exception | None = None
         if self.main:
             self.ckpt.prune(step)
-            failure = self._sync(step, path)
+            failure = self._sync(step, path, unchanged_since=step - 1 if plan.empty else None)
             metrics["synced"] = failure is None
         self._stop_on_failed_sync(failure)
         return StepOutcome(step, step, metrics, True)
@@ -423,10 +431,22 @@ class Learner:
                                       sum_norm_tokens=self.settings.loss.sum_norm_tokens)
         return [weights[i, : row.num_tokens].numpy().astype(np.float32) for i, row in enumerate(rows)]
 
-    def _sync(self, version: int, path: Path) -> SyncFailed | None:
-        """Rank 0: sync ``version``; the failure to stop the run with, or None when every replica has it."""
+    def _carry_over(self, step: int) -> Path:
+        """An empty step's version: the previous version's files, linked (collective: ranks wait for rank 0)."""
+        if self.main:
+            assert self.ledger is not None
+            previous = self.ledger.version(self.version)
+            assert previous is not None
+            self.ckpt.carry_over(Path(previous.checkpoint_path), self.version, step)
+        torch.distributed.barrier()
+        return self.ckpt.version_path(step)
+
+    def _sync(self, version: int, path: Path, unchanged_since: int | None = None) -> SyncFailed | None:
+        """Rank 0: sync ``version``; the failure to stop the run with, or None when every replica has it.
+        ``unchanged_since``: the version whose weights these are (an empty step), so a relabel is enough."""
         assert self.sync is not None and self.ledger is not None
-        report: SyncReport = self.sync.sync(version, path)
+        report: SyncReport = (self.sync.sync(version, path) if unchanged_since is None
+                              else self.sync.relabel(version, unchanged_since, path))
         self.metrics.observe_sync(version, report.ok, report.seconds)
         if report.ok:
             self.ledger.mark_synced(version)
@@ -562,6 +582,19 @@ def _step_metrics(step: int, info: dict[str, Any], result: Any, train_seconds: f
         tokens_per_second=result.tokens_per_second,
     )
     return metrics
+
+
+def _skipped_reason(info: dict[str, Any]) -> str:
+    """Why a step had no trainable token, from its batch statistics (the step record keeps it)."""
+    if not info.get("rollouts"):
+        return "no rollout"
+    parts = [f"{int(info.get('zero_variance_groups', 0))} of {int(info.get('tasks', 0))} groups had equal rewards"]
+    excluded = {k.removeprefix("excluded_"): v for k, v in info.items() if k.startswith("excluded_") and v}
+    if excluded:
+        parts.append("rollouts excluded: " + ", ".join(f"{int(v)} {k}" for k, v in sorted(excluded.items())))
+    if info.get("rows", 0) and not info.get("trained_rows"):
+        parts.append("no row had a generated token")
+    return "; ".join(parts)
 
 
 def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:

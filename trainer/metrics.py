@@ -59,6 +59,7 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "generated_tokens": ("generated_tokens", "Generated (trained) tokens in the built rows."),
     "trained_tokens": ("trained_tokens", "Row tokens that went through forward/backward."),
     "zero_variance_groups": ("zero_variance_groups", "Task groups whose rewards were all equal (no gradient)."),
+    "empty_step": ("empty_steps", "Steps with no trainable group: weights kept, nothing saved or reloaded."),
 }
 
 # labelled counters: prefix of step-metric names -> (counter name, label, help)

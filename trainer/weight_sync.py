@@ -184,6 +184,8 @@ class Replica(Protocol):
 
     def set_version(self, version: int) -> None: ...
 
+    def served_version(self) -> str | None: ...
+
     def resume(self) -> None: ...
 
     def probe(self) -> None: ...
@@ -469,6 +471,27 @@ class WeightSync:
             log.error("weight sync of version %d: replicas failed %s, proxies failed %s", version,
                       {r.name: r.error for r in results if not r.ok}, gate_errors)
         return report
+
+    def relabel(self, version: int, previous: int, checkpoint: Path) -> SyncReport:
+        """``version`` has the weights of ``previous`` (a step that trained nothing): replicas labelled
+        ``previous`` only change their label and the gate learns the version, with no pause and no reload.
+        A replica labelled otherwise (one that joined since, or missed a sync) gets the full :meth:`sync`."""
+        started = time.perf_counter()
+        self._deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        try:
+            replicas = self._current()
+            labels = {r.name: self._retry(r.served_version, what=f"{r.name} weight_info") for r in replicas}
+        except Exception as exc:  # noqa: BLE001 - the full sync reports it per replica
+            log.warning("relabelling version %d: %s; syncing it in full", version, _one_line(exc))
+            return self.sync(version, checkpoint)
+        if any(label != str(previous) for label in labels.values()):
+            log.info("version %d: replicas serve %s, not %d; syncing it in full", version, labels, previous)
+            return self.sync(version, checkpoint)
+        errors = self._each(replicas, lambda r: r.set_version(version))
+        results = [ReplicaResult(r.name, r.name not in errors, 1, 0.0, errors.get(r.name)) for r in replicas]
+        ok = not errors
+        gate_errors = {f"version {k}": v for k, v in self.gate.set_version(version).items()} if ok else {}
+        return SyncReport(version, ok, results, GateReport({}), gate_errors, time.perf_counter() - started)
 
 
 def _one_line(exc: BaseException) -> str:
