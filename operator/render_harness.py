@@ -44,16 +44,18 @@ WORKSPACE_DIR = "/workspace"
 TASK_DIR = "/etc/harnessrl"
 TASK_FILE = f"{TASK_DIR}/task.json"
 SPOOL_DIR = "/var/spool/harnessrl"
-SANDBOX_UID = 65532
-"""The unprivileged user harness pods run as (the "nonroot" user of distroless images)."""
+PROXY_UID = 65532
+"""The unprivileged user the proxy sidecar runs as (the "nonroot" user of distroless images, as in the proxy
+image); the harness and verifier run as ``spec.harness.sandbox.runAsUser``."""
 ANNOTATIONS_LIMIT = 256 * 1024
 """The API server's limit on the total size of an object's annotations (keys and values)."""
 TERMINATION_GRACE_SECONDS = 60
 """Time for the proxy, on SIGTERM, to finish in-flight calls (its 30 s shutdown timeout) and write its queue
 to the store or its spool."""
 PROXY_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
-"""What the proxy needs at rest (about 1 ms of CPU per call); the spec has no field for it yet. No limits:
-a request body may be up to spec.proxy.maxRequestBodyBytes, and an OOM kill would lose captured calls."""
+"""What the proxy needs at rest (about 1 ms of CPU per call), unless ``spec.proxy.resources`` says otherwise.
+No limits by default: a request body may be up to spec.proxy.maxRequestBodyBytes, and an OOM kill would lose
+captured calls."""
 
 
 def task_json(launch: Launch) -> str:
@@ -129,8 +131,13 @@ def proxy_container(run: TrainingRun, config: OperatorConfig, launch: Launch) ->
             "timeoutSeconds": 3,
             "failureThreshold": 120,
         },
-        "resources": {"requests": dict(PROXY_REQUESTS)},
-        "securityContext": {**restricted_security(), "readOnlyRootFilesystem": True},
+        "resources": container_resources(run.spec.proxy.resources, 0) or {"requests": dict(PROXY_REQUESTS)},
+        "securityContext": {
+            **restricted_security(),
+            "runAsUser": PROXY_UID,
+            "runAsGroup": PROXY_UID,
+            "readOnlyRootFilesystem": True,
+        },
         "volumeMounts": [{"name": "spool", "mountPath": SPOOL_DIR}],
     }
 
@@ -194,9 +201,18 @@ def verifier_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
     resources = container_resources(verifier.resources, 0)
     if resources:
         container["resources"] = resources
-    container["securityContext"] = restricted_security()
+    container["securityContext"] = sandbox_security(run)
     container["volumeMounts"] = _mounts(verifier=True)
     return container
+
+
+def sandbox_security(run: TrainingRun) -> dict[str, Any]:
+    """The harness's and verifier's container security: restricted, and a read-only root filesystem where
+    ``spec.harness.sandbox.readOnlyRootFilesystem`` asks for it (``/tmp`` and the workspace stay writable)."""
+    security = restricted_security()
+    if run.spec.harness.sandbox.read_only_root_filesystem:
+        security["readOnlyRootFilesystem"] = True
+    return security
 
 
 def _mounts(verifier: bool) -> list[dict[str, Any]]:
@@ -224,7 +240,7 @@ def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
     resources = container_resources(harness.resources, 0)
     if resources:
         container["resources"] = resources
-    container["securityContext"] = restricted_security()
+    container["securityContext"] = sandbox_security(run)
     container["volumeMounts"] = _mounts(verifier=harness.verifier is not None)
     return container
 
@@ -271,8 +287,8 @@ def render_harness_pod(
         "enableServiceLinks": False,
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": SANDBOX_UID,
-            "runAsGroup": SANDBOX_UID,
+            "runAsUser": run.spec.harness.sandbox.run_as_user,
+            "runAsGroup": run.spec.harness.sandbox.run_as_user,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "initContainers": [proxy_container(run, config, launch)],

@@ -54,7 +54,7 @@ import kopf
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.naming import COMPONENT_LABEL, MANAGED_BY, RUN_LABEL
 from harnessrl.operator.render_common import env, env_from_field, merge_env
-from harnessrl.operator.render_harness import PROXY_CONTAINER, SANDBOX_UID, proxy_container
+from harnessrl.operator.render_harness import PROXY_CONTAINER, proxy_container
 from harnessrl.scheduler import Launch
 from harnessrl.spec.models import API_VERSION, GROUP, KIND, VERSION, TrainingRun
 from harnessrl.spec.problems import InvalidSpec, parse_training_run
@@ -145,7 +145,6 @@ def sidecar(run: TrainingRun, config: OperatorConfig, policy_version: int) -> di
     own_name = env_from_field("HARNESSRL_ROLLOUT_ID", "metadata.name")
     container["env"] = [own_name if var["name"] == own_name["name"] else var for var in container["env"]]
     container["volumeMounts"] = [{**mount, "name": SPOOL_VOLUME} for mount in container["volumeMounts"]]
-    container["securityContext"].update(runAsUser=SANDBOX_UID, runAsGroup=SANDBOX_UID)
     return container
 
 

@@ -384,6 +384,22 @@ def test_sandbox_on_every_harness_pod_container() -> None:
     assert "runtimeClassName" not in harness_pod(parse_training_run(MINIMAL))["spec"]
 
 
+def test_the_sandbox_user_read_only_root_and_proxy_resources_come_from_the_spec() -> None:
+    doc = copy.deepcopy(CLUSTER)
+    doc["spec"]["harness"]["sandbox"].update(runAsUser=1000, readOnlyRootFilesystem=True)
+    doc["spec"]["proxy"]["resources"] = {"requests": {"cpu": "250m"}, "limits": {"memory": "1Gi"}}
+    spec = harness_pod(parse_training_run(doc))["spec"]
+    assert (spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]) == (1000, 1000)
+    proxy = container(spec, "proxy")
+    assert proxy["securityContext"]["runAsUser"] == 65532  # the proxy image's own user, whatever the sandbox
+    assert proxy["resources"] == {"requests": {"cpu": "250m"}, "limits": {"memory": "1Gi"}}
+    assert container(spec, "harness")["securityContext"]["readOnlyRootFilesystem"] is True
+    # the defaults: 65532, a writable root, the proxy's built-in requests
+    default = harness_pod(parse_training_run(CLUSTER))["spec"]
+    assert default["securityContext"]["runAsUser"] == 65532
+    assert container(default, "proxy")["resources"] == {"requests": {"cpu": "100m", "memory": "128Mi"}}
+
+
 # --- the store -------------------------------------------------------------------------------------------------
 
 

@@ -115,6 +115,12 @@ class Sandbox(SpecModel):
     NetworkPolicy is created (the namespace's own policies apply)."""
     egress: list[EgressRule] = Field(default_factory=list)
     """Extra destinations, only with networkPolicy custom."""
+    run_as_user: int = Field(default=65532, ge=1)
+    """The uid (and gid) the harness and verifier run as, whatever their image says; never root. 65532 is the
+    distroless "nonroot" user; set your image's own user where files in the image belong to it."""
+    read_only_root_filesystem: bool = False
+    """Mount the harness's and verifier's root filesystems read-only (they still write /tmp and the
+    workspace). Off by default: most harnesses install packages or check out code where they like."""
 
     rules = (
         Rule(

@@ -162,6 +162,9 @@ class Proxy(SpecModel):
     /healthz answers 503 saying so, until the store is back."""
     max_request_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1)
     """Largest request body accepted; larger ones get 413."""
+    resources: Resources = Field(default_factory=Resources)
+    """Requests and limits of the proxy sidecar; unset: 100m CPU and 128Mi requested, no limits (the proxy
+    needs about 1 ms of CPU per call, and an OOM kill would lose the calls it holds)."""
     pause: Pause = Field(default_factory=Pause)
     """Behaviour during a weight sync."""
 
