@@ -217,9 +217,9 @@ class RolloutScheduler:
         failed = self.store.list_attempts(
             self.settings.run, states=(RolloutState.FAILED, RolloutState.TIMED_OUT), unconsumed=True
         )
-        latest: dict[str, int] = {}
-        for attempt in self.store.list_attempts(self.settings.run):
-            latest[attempt.rollout_id] = max(latest.get(attempt.rollout_id, -1), attempt.attempt)
+        if not failed:
+            return
+        latest = self.store.latest_attempts(attempt.rollout_id for attempt in failed)
         for attempt in failed:
             is_latest = latest.get(attempt.rollout_id) == attempt.attempt
             if is_latest and attempt.attempt + 1 < self.settings.max_attempts:
@@ -229,7 +229,7 @@ class RolloutScheduler:
     def _create_groups(self, status: SchedulerStatus) -> None:
         groups = self._groups_created()
         outstanding = self._outstanding_groups()
-        queued = len(self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,)))
+        queued = self.store.count_attempts(self.settings.run)[RolloutState.QUEUED]
         # Keep enough queued to fill every free slot, but never more groups than the staleness bound allows.
         while queued < self.settings.concurrency and outstanding < self.settings.max_outstanding_groups:
             task_id = self._task_for_group(groups)
@@ -242,7 +242,7 @@ class RolloutScheduler:
         status.outstanding_groups = outstanding
 
     def _launch_queued(self, policy_version: int, status: SchedulerStatus) -> None:
-        running = len(self.store.list_attempts(self.settings.run, states=(RolloutState.RUNNING,)))
+        running = self.store.count_attempts(self.settings.run)[RolloutState.RUNNING]
         free = self.settings.concurrency - running
         budget = self.backend.launch_budget()
         if budget is not None:
@@ -286,8 +286,7 @@ class RolloutScheduler:
         Failed members count too: the learner claims a group once every member has ended, whatever the
         outcome, so a group is only done when consumed — otherwise failures would let groups pile up.
         """
-        attempts = self.store.list_attempts(self.settings.run, unconsumed=True)
-        return len({group_of(attempt.rollout_id) for attempt in attempts})
+        return len({group_of(rollout_id) for rollout_id in self.store.unconsumed_rollout_ids(self.settings.run)})
 
     def _task_for_group(self, group: int) -> str:
         """Epochs over the task list, each in its own seeded order, so a restart picks the same tasks."""
