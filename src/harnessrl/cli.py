@@ -14,6 +14,7 @@ import click
 COMMANDS: dict[str, str] = {
     "crd": "harnessrl.spec.commands:crd_command",
     "db": "harnessrl.store.commands:db_group",
+    "export": "harnessrl.trainer.export:export_command",
     "learn": "harnessrl.trainer.commands:learn_command",
     "operator": "harnessrl.operator.commands:operator_command",
     "proxy": "harnessrl.proxy.commands:proxy_command",
