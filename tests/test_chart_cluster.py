@@ -39,6 +39,7 @@ from test_chart_dashboards import (
     prometheus_binary,
     queries,
     start_prometheus,
+    up,
 )
 from test_operator_cluster import Harnesses, training_run
 
@@ -215,17 +216,21 @@ def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactl
     env = {**os.environ, "KUBECONFIG": str(token_kubeconfig(cluster, tmp_path))}
     log_path = tmp_path / "operator.log"
     harnesses = Harnesses(cluster, ns, run, pg_url, lambda rollout, attempt: (1.0, 0))
-    metrics_port = free_port()
+    # A port of its own for kopf's liveness endpoint (port 0 would be read as 80: taken when another operator
+    # runs on this machine).
+    metrics_port, liveness = free_port(), f"http://127.0.0.1:{free_port()}/healthz"
     processes = Processes(tmp_path)
     prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{metrics_port}"], tmp_path)
     started = time.time()
     with open(log_path, "wb") as log:
         operator = subprocess.Popen(
             [str(Path(sys.executable).parent / "harnessrl"), "operator", "--metrics-port", str(metrics_port),
-             "--liveness", "http://127.0.0.1:0/healthz"],
+             "--liveness", liveness],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/",
         )
     try:
+        # What the chart's probes ask: kopf's liveness endpoint answers once the operator has started.
+        wait_for("the operator's liveness endpoint", lambda: up(liveness))
         cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
         harnesses.start()
         wait_for("a harness pod to succeed", lambda: harnesses.seen)
