@@ -157,6 +157,7 @@ def run_daemon(
     try:
         while not stopped:
             current = dict(body)  # kopf keeps a daemon's body current with the watch
+            started = time.perf_counter()
             try:
                 observed = controller.reconcile(current)
             except Exception:  # noqa: BLE001 - a bug in one pass must not stop the run's reconciler
@@ -169,6 +170,7 @@ def run_daemon(
             status = build_status(observed, current.get("status"))
             if not same_status(current.get("status"), status):
                 _state["apis"].patch_status(namespace, name, status)
+            METRICS.reconcile_seconds.labels(*key).observe(time.perf_counter() - started)
             if (status["phase"], status["reason"]) != last:
                 _post_phase_event(current, status)
                 last = (status["phase"], status["reason"])

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 PREFIX = "harnessrl_operator_"
 # A pod starts in about a second on an idle cluster and in minutes when images are pulled or nodes scale up.
 START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# A pass is a few store queries and API calls: tens of milliseconds; seconds mean the store or API is slow.
+PASS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class OperatorMetrics:
@@ -49,6 +51,14 @@ class OperatorMetrics:
             registry=r,
         )
 
+        self.reconcile_seconds = Histogram(
+            PREFIX + "reconcile_seconds",
+            "One reconcile pass of a run, status patch included: what a free slot waits at most for its pod.",
+            run,
+            buckets=PASS_BUCKETS,
+            registry=r,
+        )
+
     def forget(self, namespace: str, run: str) -> None:
         """Drop a run's labelled series (its reconciler stopped)."""
         for metric in (
@@ -61,6 +71,7 @@ class OperatorMetrics:
             self.queue_depth,
             self.phase,
             self.pod_start,
+            self.reconcile_seconds,
         ):
             for labels in list(metric._metrics):  # noqa: SLF001 - prometheus_client has no public lookup
                 if labels[:2] == (namespace, run):

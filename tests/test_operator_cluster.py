@@ -23,6 +23,7 @@ from kopf.testing import KopfRunner
 
 from harnessrl.devcluster import Cluster
 from harnessrl.devcluster.kwok import EXIT_CODE, IMAGE_PULL_BACKOFF_IMAGE, RUN_FOR
+from harnessrl.operator.metrics import METRICS
 from harnessrl.operator.naming import (
     ATTEMPT_ANNOTATION,
     COMPONENT_LABEL,
@@ -176,6 +177,11 @@ def test_a_run_provisions_children_runs_rollouts_and_reports_status(
                 "Progressing": "True",
             }
             assert status["observedGeneration"] == 1
+            # every pass is timed (the operator runs in this process: its registry is this one)
+            passes = METRICS.registry.get_sample_value(
+                "harnessrl_operator_reconcile_seconds_count", {"namespace": ns, "run": run}
+            )
+            assert passes is not None and passes >= 1
         finally:
             harnesses.close()
 
