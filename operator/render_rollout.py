@@ -61,6 +61,7 @@ def vllm_args(run: TrainingRun) -> list[str]:
         "--served-model-name", SERVED_MODEL_NAME,
         "--max-model-len", str(rollout.max_model_len),
         "--tensor-parallel-size", str(rollout.tensor_parallel),
+        "--logprobs-mode", "processed_logprobs",  # log-probs of the distribution sampled (temperature included)
     ]  # fmt: skip
     if spec.model.hub is not None and spec.model.hub.revision:
         args += ["--revision", spec.model.hub.revision]

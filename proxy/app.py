@@ -353,7 +353,7 @@ class CaptureProxy:
                         body,
                         self.ledger.last_call(who.key),
                         cfg.model_name,
-                        cfg.sampling if cfg.train else {},
+                        cfg.forced_sampling if cfg.train else {},
                     )
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
@@ -364,7 +364,7 @@ class CaptureProxy:
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
                 payload = dumps(
                     upstream_request(
-                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling
+                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.forced_sampling
                     )
                 )
                 x = Exchange(route, who, body, wants, payload, ROUTE_PATHS[route], started)

@@ -97,6 +97,19 @@ class ConfigError(ValueError):
     """A setting is missing or invalid; the message names the flag/variable and the fix."""
 
 
+# Sampling fields that reshape the distribution a token is drawn from. The learner trains
+# softmax(logits / spec.rollout.temperature); a harness's own temperature, top_p, top_k, min_p, penalties or
+# logit_bias (or a default vLLM takes from the model's generation_config for a field the request leaves out,
+# e.g. top_k 20) would draw the tokens from another distribution, which the importance weights can only partly
+# correct. In train mode every call is sent with these neutral values, whatever the harness asked for; the
+# run's sampling (--sampling / HARNESSRL_SAMPLING: spec.rollout.temperature and topP) wins over them, and a run
+# may force any other of them for every call the same way.
+NEUTRAL_SAMPLING: dict[str, Any] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "logit_bias": None,
+}
+
+
 class ProxyConfig(BaseSettings):
     """All proxy settings; field ``x`` is read from ``HARNESSRL_X`` (see the module docstring)."""
 
@@ -177,6 +190,11 @@ class ProxyConfig(BaseSettings):
     @property
     def train(self) -> bool:
         return self.proxy_mode == "train"
+
+    @property
+    def forced_sampling(self) -> dict[str, Any]:
+        """What train mode sets on every call: the neutral values above, then the run's ``sampling``."""
+        return {**NEUTRAL_SAMPLING, **self.sampling}
 
     @property
     def continuity_enabled(self) -> bool:

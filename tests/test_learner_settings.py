@@ -56,3 +56,18 @@ def test_the_old_kl_field_points_to_its_new_name():
     (problem,) = validate_document(doc)
     assert problem.path == "spec.learner.algorithm.klCoef"
     assert "rolloutKlCoef" in problem.message
+
+
+def test_the_learner_trains_the_distribution_the_replicas_sample_from(tmp_path: Path):
+    """spec.rollout.temperature reaches the engine (it scores softmax(logits / temperature)); 0 (greedy) has no
+    distribution to train and is refused naming the field."""
+    import pytest
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["rollout"]["temperature"] = 0.7
+    spec = TrainingRun.model_validate(doc).spec
+    assert LearnerSettings.from_spec(spec, run="r", model_dir=tmp_path, output_dir=tmp_path).engine.temperature == 0.7
+    doc["spec"]["rollout"]["temperature"] = 0
+    spec = TrainingRun.model_validate(doc).spec
+    with pytest.raises(ValueError, match=r"set spec\.rollout\.temperature above 0"):
+        LearnerSettings.from_spec(spec, run="r", model_dir=tmp_path, output_dir=tmp_path)

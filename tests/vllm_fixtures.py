@@ -12,12 +12,15 @@ tiny model the fixture would build, with the same seed).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from harnessrl.local.vllm_server import VllmServer, free_port, start_vllm  # noqa: F401 - re-exported for tests
+from harnessrl.store import RolloutState, TraceStore
 
 # The sequence limit the server is started with; it matches the tiny model's position limit so that long
 # harness prompts work (a 512-token server returns zero token ids or 400s past that length).
@@ -52,3 +55,42 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         yield server
     finally:
         server.stop()
+
+
+@contextmanager
+def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[str, Any]
+                   ) -> Iterator[tuple[TraceStore, Any]]:
+    """A SQLite store and a real capture proxy (train mode, ``sampling`` forced) in front of ``server``."""
+    from proxy_servers import LoopThread, RunningProxy, proxy_config
+
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = TraceStore.connect(store_url)
+    store.upgrade()
+    loops = LoopThread()
+    proxy = RunningProxy(loops, proxy_config([server.base_url], store_url, tmp_path / "spool", rollout_id=None,
+                                             run=run, model_name=server.model, sampling=sampling), store)
+    try:
+        yield store, proxy
+    finally:
+        proxy.stop()
+        loops.close()
+        store.close()
+
+
+def captured_group(store: TraceStore, proxy: Any, run: str, call: Callable[[Any], object], size: int = 4
+                   ) -> list[str]:
+    """One task's group of ``size`` rollouts, each one ``call(openai client)`` through the proxy, rewarded
+    1, 1, 0, 0, ... and finished; returns the rollout ids."""
+    import openai
+
+    store.add_tasks(run, [{"id": "task"}])
+    rollouts = [store.create_rollout(run, "task", i, rollout_id=f"r{i}") for i in range(size)]
+    for rollout in rollouts:
+        store.transition(rollout, 0, RolloutState.RUNNING, policy_version=0)
+        call(openai.OpenAI(base_url=f"{proxy.url}/rollouts/{rollout}/attempts/0/v1", api_key="unused",
+                           max_retries=0, timeout=120))
+    proxy.flush(60)
+    for i, rollout in enumerate(rollouts):
+        store.set_reward(rollout, 0, 1.0 if i < size // 2 else 0.0)
+        store.finish_attempt(rollout, 0, RolloutState.SUCCEEDED)
+    return rollouts

@@ -24,7 +24,7 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
 # Flags that --spec replaces: the algorithm and engine settings come from the TrainingRun instead.
 SPEC_OWNED = ("tasks_per_step", "group_size", "lr", "zero_stage", "micro_batch_tokens", "gradient_clip",
               "gradient_checkpointing", "lora_rank", "lora_alpha", "loss", "loss_aggregation", "advantage",
-              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints", "mini_batches")
+              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints", "mini_batches", "temperature")
 
 
 def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **overrides: object):
@@ -67,6 +67,9 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1),
               help="Optimizer updates per step, each on a part of its rollouts, all clipped against the weights "
                    "at the start of the step (1: one update, where the ratio is 1 and nothing clips).")
+@click.option("--temperature", default=1.0, show_default=True, type=float, callback=_positive,
+              help="The replicas' sampling temperature: the learner trains softmax(logits / temperature). "
+                   "[with --spec: spec.rollout.temperature]")
 @click.option("--lr", default=1.0e-6, show_default=True, type=float, callback=_positive)
 @click.option("--zero-stage", default=2, show_default=True, type=click.IntRange(0, 3))
 @click.option("--micro-batch-tokens", default=32768, show_default=True, type=click.IntRange(min=2))
@@ -95,7 +98,7 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.pass_context
 def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, run: str | None, model_dir: Path,
                   output_dir: Path, steps: int | None, tasks_per_step: int,
-                  group_size: int, mini_batches: int, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
+                  group_size: int, mini_batches: int, temperature: float, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                   gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                   loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
                   max_row_tokens: int | None, replicas: tuple[str, ...], proxies: tuple[str, ...],
@@ -118,7 +121,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
     else:
         settings = _settings_from_flags(
             run=run, steps=steps or 100, tasks_per_step=tasks_per_step, group_size=group_size,
-            mini_batches=mini_batches, lr=lr,
+            mini_batches=mini_batches, temperature=temperature, lr=lr,
             zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens, gradient_clip=gradient_clip,
             gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank, lora_alpha=lora_alpha, loss=loss,
             loss_aggregation=loss_aggregation, advantage=advantage, max_staleness=max_staleness,
@@ -127,7 +130,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
 
 
 def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_size: int, mini_batches: int,
-                         lr: float,
+                         temperature: float, lr: float,
                          zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                          gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                          loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
@@ -146,7 +149,7 @@ def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_siz
             group_size=group_size, row_mode=row_mode, max_row_tokens=max_row_tokens,
             engine=EngineSettings(
                 zero_stage=zero_stage, lr=lr, gradient_clip=gradient_clip, micro_batch_tokens=micro_batch_tokens,
-                gradient_checkpointing=gradient_checkpointing,
+                gradient_checkpointing=gradient_checkpointing, temperature=temperature,
                 lora=LoraSettings(rank=lora_rank, alpha=lora_alpha) if lora_rank else None,
             ),
             advantage=AdvantageConfig(estimator=advantage, max_staleness=max_staleness),

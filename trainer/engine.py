@@ -69,8 +69,14 @@ class EngineSettings:
     offload_optimizer: bool = False
     offload_parameters: bool = False
     seed: int = 0
+    # spec.rollout.temperature: the policy trained is softmax(logits / temperature), the distribution the
+    # replicas sample from (and, with vLLM's processed log-probs, report log-probs of)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: {self.temperature} must be > 0; greedy decoding (spec.rollout.temperature "
+                             "0) has no sampling distribution to train: set spec.rollout.temperature above 0")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
         if self.micro_batch_tokens < 2:
@@ -397,10 +403,12 @@ class PolicyEngine:
         for start in range(0, selected.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = selected[start:start + LOGPROB_CHUNK_TOKENS]
             targets = mb.targets[start:start + LOGPROB_CHUNK_TOKENS]
+            temperature = self.settings.temperature
             if torch.is_grad_enabled() and chunk.requires_grad:
-                logp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, chunk, targets, use_reentrant=False)
+                logp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, chunk, targets, temperature,
+                                                              use_reentrant=False)
             else:
-                logp, ent = _chunk_logprobs(head, chunk, targets)
+                logp, ent = _chunk_logprobs(head, chunk, targets, temperature)
             logps.append(logp)
             entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies).detach()
@@ -553,8 +561,12 @@ def _launcher_env(dist: DistInfo) -> Iterator[None]:
         os.environ.pop("LOCAL_RANK", None)
 
 
-def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and the entropy under softmax(logits / temperature), the sampling policy."""
     logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():

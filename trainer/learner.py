@@ -139,6 +139,7 @@ class LearnerSettings:
             if use_lora and lora is not None else None,
             offload_optimizer=learner.deepspeed.offload.optimizer == "cpu",
             offload_parameters=learner.deepspeed.offload.parameters == "cpu",
+            temperature=spec.rollout.temperature,
         )
         loss = LossConfig.from_spec(algorithm, max_row_tokens=learner.rows.max_row_tokens)
         if algorithm.tis_cap == 0:

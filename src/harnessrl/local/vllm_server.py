@@ -5,7 +5,11 @@ The local runner and the tests both serve the policy this way. Facts it relies o
   distribution), so the module entry point is used; it is the same server;
 - ``VLLM_SERVER_DEV_MODE=1`` exposes ``/collective_rpc``, which weight sync uses for ``reload_weights``;
 - the engine compiles a small kernel on the first request with log-probs; a torch-inductor cache shared with
-  other torch programs made that build fail, so every server gets a private cache next to its log.
+  other torch programs made that build fail, so every server gets a private cache next to its log;
+- ``--logprobs-mode processed_logprobs``: the log-probs returned are those of the distribution each token was
+  sampled from (after temperature, top-p and any logits processing), not of the raw model. The learner
+  trains softmax(logits / spec.rollout.temperature) and corrects for the rest with its importance weights,
+  which are only right against the sampled distribution (vLLM's default, raw log-probs, ignores temperature).
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ def vllm_command(model_dir: Path, port: int, served_name: str, max_model_len: in
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
-        "--max-model-len", str(max_model_len), "--disable-log-stats",
+        "--max-model-len", str(max_model_len), "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
     ]
     if cpu:
         command += ["--enforce-eager", "--distributed-executor-backend", "uni"]

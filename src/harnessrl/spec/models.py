@@ -91,9 +91,12 @@ class Rollout(SpecModel):
     resources: Resources = Field(default_factory=Resources)
     """Requests and limits of each replica (accelerators come from gpusPerReplica)."""
     temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature forced on every call; 1.0 keeps the samples on-policy."""
+    """Sampling temperature forced on every call; the learner trains softmax(logits / temperature), and vLLM
+    reports that distribution's log-probs. Above 0 to train (0 is greedy: no distribution)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling forced on every call; 1.0 keeps the samples on-policy."""
+    """Nucleus sampling forced on every call; 1.0 keeps the samples on-policy, below it the importance weights
+    correct for the truncation. Other sampling fields a harness sends (top_k, min_p, penalties, logit_bias) are
+    replaced by neutral values."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Cap on completion tokens per call; unset leaves each call's own limit."""
     upstreams: list[HttpUrl] | None = Field(default=None, min_length=1)
@@ -175,9 +178,9 @@ class WeightSync(SpecModel):
     method: Literal["reload", "lora"] = "reload"
     """reload: vLLM reloads the whole checkpoint in place; lora: vLLM loads the new adapter (needs lora)."""
     timeout_seconds: int = Field(default=600, ge=1)
-    """Limit for one sync across all replicas."""
+    """Limit for one sync across all replicas: no retry starts after it, no request waits longer."""
     retries: int = Field(default=3, ge=0)
-    """Retries of a failed sync before the run fails."""
+    """Retries of a failed sync before the run fails (the learner stops; restarted, it syncs that version first)."""
 
 
 class SqliteStore(SpecModel):
