@@ -41,6 +41,7 @@ from store_write import add_pg_option, fresh_pg_database  # noqa: E402
 
 from harnessrl.devcluster import Cluster, start_cluster  # noqa: E402
 from harnessrl.devcluster.kwok import BENCH_NAMESPACE  # noqa: E402
+from harnessrl.local.vllm_server import free_port  # noqa: E402
 from harnessrl.store import TraceStore  # noqa: E402
 
 OPERATOR_USER = "harnessrl-operator"
@@ -142,9 +143,11 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
     env = {**os.environ, "KUBECONFIG": str(kube.user_kubeconfig(OPERATOR_USER)),
            "HARNESSRL_OPERATOR_POD_CREATES_PER_SECOND": str(args.pods_per_second)}
     log = open(work / "operator.log", "wb")
+    # Free ports: with port 0 in its URL kopf's liveness server binds port 80 (taken by anything else there).
+    metrics_port, liveness_port = free_port(), free_port()
     operator = subprocess.Popen(
         [str(Path(sys.executable).parent / "harnessrl"), "operator", "--namespace", BENCH_NAMESPACE,
-         "--metrics-port", "0", "--liveness", "http://127.0.0.1:0/healthz"],
+         "--metrics-port", str(metrics_port), "--liveness", f"http://127.0.0.1:{liveness_port}/healthz"],
         env=env, stdout=log, stderr=subprocess.STDOUT, cwd="/",
     )
     store = TraceStore.connect(store_url)
@@ -180,6 +183,7 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
         total = apiserver_requests(kube)
         every_client = {verb: total[verb] - requests_before.get(verb, 0) for verb in total}
         own = operator_requests(kube)
+        passes = reconcile_passes(metrics_port)
         clock.stopping = True
     finally:
         operator.terminate()
@@ -203,11 +207,29 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
           + f" (total {sum(per_rollout_all.values()):.2f})")
     print(f"operator CPU per rollout: {1000 * cpu / rollouts:.1f} ms; RSS {mem_early:.0f} MiB at {early} "
           f"finished, {mem_late:.0f} MiB at {rollouts}")
+    count, seconds, slow = passes
+    print(f"operator reconcile passes: {count:.0f}, mean {1000 * seconds / max(count, 1):.0f} ms, "
+          f"{slow / max(count, 1):.0%} over 1 s")
     print(f"pod creation -> running: p50 {percentile(starts, 0.5):.2f} s, p95 {percentile(starts, 0.95):.2f} s; "
           f"free slot -> running: p95 {percentile(slot, 0.95):.2f} s ({len(slot)} slots)")
     print(f"api_requests_per_rollout={sum(per_rollout_own.values()):.2f} "
           f"operator_cpu_ms_per_rollout={1000 * cpu / rollouts:.1f} operator_mem_mib_200={mem_early:.0f} "
           f"operator_mem_mib_2000={mem_late:.0f} pod_start_p95_s={percentile(slot, 0.95):.2f}")
+
+
+def reconcile_passes(metrics_port: int) -> tuple[float, float, float]:
+    """(passes, seconds in them, passes over 1 s) from the operator's own harnessrl_operator_reconcile_seconds."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30).read().decode()
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("harnessrl_operator_reconcile_seconds") and f'run="{RUN}"' in line:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0].rsplit("_", 1)[-1] + ('+1.0' if 'le="1.0"' in name else "")
+            values[key] = values.get(key, 0.0) + float(value)
+    count = values.get("count", 0.0)
+    return count, values.get("sum", 0.0), count - values.get("bucket+1.0", count)
 
 
 def _ready(store: TraceStore) -> bool:

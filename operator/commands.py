@@ -32,13 +32,27 @@ import click
     show_default=True,
     help="Serve the harnessrl_operator_* Prometheus metrics on this port (0: off).",
 )
-def operator_command(namespaces: tuple[str, ...], liveness: str, standalone: bool, metrics_port: int) -> None:
+@click.option(
+    "--log-format",
+    type=click.Choice(["full", "plain", "json"]),
+    default="full",
+    show_default=True,
+    help="Log lines as text with time and logger (full), message only (plain), or JSON for log collectors.",
+)
+@click.option("--verbose", is_flag=True, help="Log every handler and API call (kopf's verbose level).")
+def operator_command(
+    namespaces: tuple[str, ...], liveness: str, standalone: bool, metrics_port: int, log_format: str, verbose: bool
+) -> None:
     """Reconcile TrainingRuns into vLLM Deployments, harness pods and a learner Job."""
     import kopf
     from prometheus_client import start_http_server
 
     import harnessrl.operator.handlers  # noqa: F401 - registers the handlers
     from harnessrl.operator.metrics import METRICS
+
+    # kopf.run() leaves logging unset (only `kopf run` configures it): without this the operator's pod log
+    # would show warnings alone, never the phases, pods and passes at INFO.
+    kopf.configure(verbose=verbose, log_format=kopf.LogFormat[log_format.upper()])
 
     if metrics_port:
         start_http_server(metrics_port, registry=METRICS.registry)
