@@ -28,6 +28,8 @@ from harnessrl.operator.render_secret import SPEC_KEY, run_secret_name, store_ur
 from harnessrl.spec.models import TrainingRun
 
 MASTER_PORT = 29500
+METRICS_PORT = 9400
+"""The learner's /metrics (global rank 0 serves it, so pod 0 of the Job: the chart's PodMonitor scrapes that pod)."""
 WORK_DIR = "/var/lib/harnessrl"
 """The learner's working directory (an emptyDir): relative paths of the spec land here, as they land in the
 run directory of ``harnessrl run``."""
@@ -76,6 +78,7 @@ def learner_command(run: TrainingRun) -> list[str]:
         "--model", model_dir(run),
         "--output", checkpoint_dir(run),
         "--steps", str(learner.steps),
+        "--metrics-port", str(METRICS_PORT),
     ]  # fmt: skip
     for target in replica_targets(run):
         command += ["--replica", target]
@@ -154,7 +157,10 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
         "command": learner_command(run),
         "workingDir": WORK_DIR,
         "env": learner_env(run, config),
-        "ports": [{"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "rendezvous", "containerPort": MASTER_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
+        ],
         "volumeMounts": mounts,
     }
     resources = container_resources(learner.resources, learner.gpus_per_node)

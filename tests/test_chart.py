@@ -318,7 +318,9 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     assert selector.items() <= metrics["metadata"]["labels"].items()
     webhook = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-webhook"))
     assert not selector.items() <= webhook["metadata"]["labels"].items()
-    pod_monitor = one(with_api, "PodMonitor")
+    monitors = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in by_kind(with_api, "PodMonitor")}
+    assert sorted(monitors) == ["learner", "rollout"]
+    pod_monitor = monitors["rollout"]
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
     # It selects the vLLM pods the operator renders, by their labels and port name.
     from harnessrl.operator.config import OperatorConfig
@@ -330,6 +332,16 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
     assert {e["port"] for e in pod_monitor["spec"]["podMetricsEndpoints"]} <= ports
+    # and the learner's pod 0 (the Job controller adds the completion-index label), where rank 0 serves
+    from harnessrl.operator.render_learner import render_learner_job
+
+    learner = render_learner_job(run, "team-a", "uid", OperatorConfig())["spec"]["template"]
+    selector = dict(monitors["learner"]["spec"]["selector"]["matchLabels"])
+    assert selector.pop("batch.kubernetes.io/job-completion-index") == "0"
+    assert selector.items() <= learner["metadata"]["labels"].items()
+    (container,) = learner["spec"]["containers"]
+    port = next(p for p in container["ports"] if p["name"] == monitors["learner"]["spec"]["podMetricsEndpoints"][0]["port"])
+    assert container["command"][container["command"].index("--metrics-port") + 1] == str(port["containerPort"])
 
 
 def test_watched_namespaces_bind_workload_rights_only_there(helm: Path) -> None:

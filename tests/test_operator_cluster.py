@@ -182,6 +182,9 @@ def test_a_run_provisions_children_runs_rollouts_and_reports_status(
                 "harnessrl_operator_reconcile_seconds_count", {"namespace": ns, "run": run}
             )
             assert passes is not None and passes >= 1
+            # the chart's learner PodMonitor finds rank 0 by the Job controller's completion-index label
+            index = f"{RUN_LABEL}={run},{COMPONENT_LABEL}=learner,batch.kubernetes.io/job-completion-index=0"
+            assert len(get(kube, ns, "pods", "-l", index)["items"]) == 1
         finally:
             harnesses.close()
 
