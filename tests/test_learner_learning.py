@@ -87,7 +87,10 @@ def test_a_few_steps_raise_rewarded_completions_and_lower_the_others(tiny: Path,
     assert first["trained_rollouts"] == 4 and first["trained_rows"] == 4  # two-call trajectories merged
     assert first["updates"] == mini_batches
     assert first["merged_calls"] == 2 and first["generated_tokens"] == 4 * 6 + 2 * 5
-    # Rollouts were sampled from these very weights: learner and sampler log-probs agree.
+    # Not an engine comparison (sampler and learner are both transformers here; the learner against vLLM is
+    # test_weight_sync_vllm.py and, at temperature 0.7, test_sampling_vllm.py): the learner's merged rows and
+    # masks line up with the sampled tokens, since a token scored one position off would not get the
+    # sampler's log-prob.
     assert first["logprob_abs_diff"] < 1e-4 and first["logprob_pearson"] > 0.9999
     # Step 2 trains on rollouts of version 0 with version-1 weights: no token is on-policy, so no agreement is
     # claimed (stale tokens differ by design); the drift shows in the gap between the learner's step-start and
