@@ -95,3 +95,14 @@ def test_a_sync_that_fails_after_its_retries_stops_the_learner(tiny: Path, tmp_p
     with TraceStore.connect(url) as store:
         ledger = LearnerLedger(store, "r")
         assert ledger.committed_version() == 1 and not ledger.version(1).synced
+
+
+def test_each_flag_that_mirrors_a_spec_field_has_the_specs_default() -> None:
+    """One default everywhere: `harnessrl learn` without --spec trains as a TrainingRun that leaves the field
+    out would (gradient checkpointing and the staleness bound differed once)."""
+    from harnessrl.trainer.commands import SPEC_FIELDS, SPEC_OWNED, _spec_default, learn_command
+
+    assert set(SPEC_FIELDS) <= set(SPEC_OWNED)
+    defaults = {param.name: param.default for param in learn_command.params}
+    for flag, field in SPEC_FIELDS.items():
+        assert defaults[flag] == _spec_default(*field), flag

@@ -21,6 +21,27 @@ def _positive(ctx: click.Context, param: click.Parameter, value: float | None) -
     return value
 
 
+def _spec_default(model: str, field: str) -> object:
+    """The TrainingRun spec's default for a flag that mirrors a spec field: one default everywhere."""
+    from harnessrl.spec import harness, learner, models
+
+    owner = {"Learner": learner.Learner, "Algorithm": learner.Algorithm, "DeepSpeed": learner.DeepSpeed,
+             "Rows": learner.Rows, "Lora": learner.Lora, "Harness": harness.Harness, "Rollout": models.Rollout}
+    return owner[model].model_fields[field].default
+
+
+# The spec field behind each flag that --spec replaces (a test holds their defaults equal).
+SPEC_FIELDS = {
+    "tasks_per_step": ("Learner", "tasks_per_step"), "group_size": ("Harness", "group_size"),
+    "lr": ("Algorithm", "lr"), "zero_stage": ("DeepSpeed", "zero_stage"),
+    "micro_batch_tokens": ("Learner", "micro_batch_tokens"), "gradient_clip": ("Learner", "gradient_clip"),
+    "gradient_checkpointing": ("Learner", "gradient_checkpointing"), "lora_alpha": ("Lora", "alpha"),
+    "loss": ("Algorithm", "loss"), "loss_aggregation": ("Algorithm", "loss_aggregation"),
+    "advantage": ("Algorithm", "advantage"), "max_staleness": ("Learner", "max_staleness"),
+    "row_mode": ("Rows", "mode"), "keep_checkpoints": ("Learner", "keep_checkpoints"),
+    "mini_batches": ("Learner", "mini_batches"), "temperature": ("Rollout", "temperature"),
+}
+
 # Flags that --spec replaces: the algorithm and engine settings come from the TrainingRun instead.
 SPEC_OWNED = ("tasks_per_step", "group_size", "lr", "zero_stage", "micro_batch_tokens", "gradient_clip",
               "gradient_checkpointing", "lora_rank", "lora_alpha", "loss", "loss_aggregation", "advantage",
@@ -61,36 +82,37 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.option("--steps", default=None, type=click.IntRange(min=1),
               help="Total steps of the run; a restarted learner stops at the same step. "
                    "[default: spec.learner.steps with --spec, else 100]")
-@click.option("--tasks-per-step", default=8, show_default=True, type=click.IntRange(min=1))
-@click.option("--group-size", default=8, show_default=True, type=click.IntRange(min=1),
+@click.option("--tasks-per-step", default=_spec_default(*SPEC_FIELDS["tasks_per_step"]), show_default=True, type=click.IntRange(min=1))
+@click.option("--group-size", default=_spec_default(*SPEC_FIELDS["group_size"]), show_default=True, type=click.IntRange(min=1),
               help="Rollouts per task; a task's group is trained once all of them finished.")
-@click.option("--mini-batches", default=1, show_default=True, type=click.IntRange(min=1),
+@click.option("--mini-batches", default=_spec_default(*SPEC_FIELDS["mini_batches"]), show_default=True, type=click.IntRange(min=1),
               help="Optimizer updates per step, each on a part of its rollouts, all clipped against the weights "
                    "at the start of the step (1: one update, where the ratio is 1 and nothing clips).")
-@click.option("--temperature", default=1.0, show_default=True, type=float, callback=_positive,
+@click.option("--temperature", default=_spec_default(*SPEC_FIELDS["temperature"]), show_default=True, type=float, callback=_positive,
               help="The replicas' sampling temperature: the learner trains softmax(logits / temperature). "
                    "[with --spec: spec.rollout.temperature]")
-@click.option("--lr", default=1.0e-6, show_default=True, type=float, callback=_positive)
-@click.option("--zero-stage", default=2, show_default=True, type=click.IntRange(0, 3))
-@click.option("--micro-batch-tokens", default=32768, show_default=True, type=click.IntRange(min=2))
-@click.option("--gradient-clip", default=1.0, show_default=True, type=float, callback=_positive)
-@click.option("--gradient-checkpointing/--no-gradient-checkpointing", default=False, show_default=True)
+@click.option("--lr", default=_spec_default(*SPEC_FIELDS["lr"]), show_default=True, type=float, callback=_positive)
+@click.option("--zero-stage", default=_spec_default(*SPEC_FIELDS["zero_stage"]), show_default=True, type=click.IntRange(0, 3))
+@click.option("--micro-batch-tokens", default=_spec_default(*SPEC_FIELDS["micro_batch_tokens"]), show_default=True, type=click.IntRange(min=2))
+@click.option("--gradient-clip", default=_spec_default(*SPEC_FIELDS["gradient_clip"]), show_default=True, type=float, callback=_positive)
+@click.option("--gradient-checkpointing/--no-gradient-checkpointing",
+              default=_spec_default(*SPEC_FIELDS["gradient_checkpointing"]), show_default=True)
 @click.option("--lora-rank", default=0, show_default=True, type=click.IntRange(min=0),
               help="Train a LoRA adapter of this rank (0: full fine-tuning).")
-@click.option("--lora-alpha", default=32.0, show_default=True, type=float, callback=_positive)
-@click.option("--loss", default="ppo-clip", show_default=True, type=click.Choice(["ppo-clip", "cispo", "acpo"]))
-@click.option("--loss-aggregation", default="per-rollout-mean", show_default=True,
+@click.option("--lora-alpha", default=_spec_default(*SPEC_FIELDS["lora_alpha"]), show_default=True, type=float, callback=_positive)
+@click.option("--loss", default=_spec_default(*SPEC_FIELDS["loss"]), show_default=True, type=click.Choice(["ppo-clip", "cispo", "acpo"]))
+@click.option("--loss-aggregation", default=_spec_default(*SPEC_FIELDS["loss_aggregation"]), show_default=True,
               type=click.Choice(["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "per-rollout-mean"]))
-@click.option("--advantage", default="grpo", show_default=True, type=click.Choice(["grpo", "rloo"]))
-@click.option("--max-staleness", default=None, type=click.IntRange(min=0),
-              help="Leave out rollouts more than this many versions old (default: no limit).")
-@click.option("--row-mode", default="merge", show_default=True, type=click.Choice(["merge", "transition"]))
+@click.option("--advantage", default=_spec_default(*SPEC_FIELDS["advantage"]), show_default=True, type=click.Choice(["grpo", "rloo"]))
+@click.option("--max-staleness", default=_spec_default(*SPEC_FIELDS["max_staleness"]), show_default=True,
+              type=click.IntRange(min=0), help="Leave out rollouts more than this many versions old.")
+@click.option("--row-mode", default=_spec_default(*SPEC_FIELDS["row_mode"]), show_default=True, type=click.Choice(["merge", "transition"]))
 @click.option("--max-row-tokens", default=None, type=click.IntRange(min=1))
 @click.option("--replica", "replicas", multiple=True,
               help="vLLM base URL to sync weights to, or dns://NAME:PORT for every address NAME resolves to at "
                    "each sync (a headless Service); repeatable.")
 @click.option("--proxy", "proxies", multiple=True, help="Proxy base URL to pause during syncs (repeatable).")
-@click.option("--keep-checkpoints", default=3, show_default=True, type=click.IntRange(min=1))
+@click.option("--keep-checkpoints", default=_spec_default(*SPEC_FIELDS["keep_checkpoints"]), show_default=True, type=click.IntRange(min=1))
 @click.option("--wait-timeout", default=None, type=float, callback=_positive,
               help="Stop when no step's worth of rollouts arrives for this many seconds (default: wait).")
 @click.option("--poll-interval", default=2.0, show_default=True, type=float, callback=_positive)
