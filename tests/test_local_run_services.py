@@ -57,7 +57,7 @@ def fake_upstream(tmp_path: Path):
         proc.wait()
 
 
-def spec_file(tmp_path: Path, model: Path) -> Path:
+def spec_file(tmp_path: Path, model: Path, **extra: dict) -> Path:
     (tmp_path / "harness.py").write_text(HARNESS)
     spec = {
         "apiVersion": "harnessrl.io/v1alpha1", "kind": "TrainingRun", "metadata": {"name": "services"},
@@ -71,13 +71,19 @@ def spec_file(tmp_path: Path, model: Path) -> Path:
             "weightSync": {"retries": 0},
         },
     }
+    for section, values in extra.items():
+        spec["spec"].setdefault(section, {})
+        if isinstance(values, dict):
+            spec["spec"][section].update(values)
+        else:
+            spec["spec"][section] = values
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
 
 
-def start_run(tmp_path: Path, model: Path, upstream: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "harnessrl.cli", "run", str(spec_file(tmp_path, model)), "--run-dir",
+def start_run(tmp_path: Path, model: Path, upstream: str, **extra: dict) -> subprocess.Popen:
+    command = [sys.executable, "-m", "harnessrl.cli", "run", str(spec_file(tmp_path, model, **extra)), "--run-dir",
                str(tmp_path / "run"), "--openai-base-url", upstream, "--no-live"]
     return subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -115,3 +121,17 @@ def test_a_dead_policy_server_stops_the_run(tmp_path: Path, model: Path, fake_up
         out, err = finish(proc)
     assert proc.returncode == 1, out[-3000:] + err[-3000:]
     assert f"Error: the policy server at {upstream} stopped answering GET /health" in err, err[-3000:]
+
+
+def test_active_deadline_stops_a_local_run_and_cluster_only_fields_are_named(
+    tmp_path: Path, model: Path, fake_upstream
+) -> None:
+    """spec.activeDeadlineSeconds acts locally too (counted from this start); a field only the operator reads
+    is named, not silently dropped. No step can finish first: a step waits for 100 tasks' groups."""
+    upstream, _ = fake_upstream
+    proc = start_run(tmp_path, model, upstream, activeDeadlineSeconds=3,
+                     learner={"tasksPerStep": 100}, rollout={"image": "vllm/vllm-openai:v0.32.0"})
+    out, err = finish(proc)
+    assert proc.returncode == 1, out[-3000:] + err[-3000:]
+    assert "DeadlineExceeded: the run ran longer than spec.activeDeadlineSeconds=3" in err, err[-3000:]
+    assert "only on a cluster (this run leaves them alone): spec.rollout.image" in out, out[-3000:]

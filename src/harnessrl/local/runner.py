@@ -42,6 +42,7 @@ from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.kube import EnvVar
 from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.scope import cluster_only_paths
 from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
 
@@ -170,6 +171,9 @@ class LocalRun:
             learner = self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
                   f"from {serving}")
+            cluster_only = cluster_only_paths(self.spec)
+            if cluster_only:
+                print(f"only on a cluster (this run leaves them alone): {', '.join(cluster_only)}")
             failure: RunError | None = None
             with StopSignals() as stop:
                 try:
@@ -193,7 +197,12 @@ class LocalRun:
     ) -> None:
         live = self.options.live and sys.stdout.isatty()
         last_line = ""
+        started = time.monotonic()
+        deadline = self.spec.active_deadline_seconds  # counted from this start: a resumed run gets it anew
         while stop.received is None:
+            if deadline is not None and time.monotonic() - started > deadline:
+                raise RunError(f"DeadlineExceeded: the run ran longer than spec.activeDeadlineSeconds={deadline} "
+                               "— raise it or remove it, then run the same command to resume")
             version = store.latest_policy_version(self.name, synced_only=True) or 0
             scheduler.reconcile(version)
             line = progress_line(summarize(store, self.name), self.steps)
@@ -266,7 +275,7 @@ class LocalRun:
         command = [
             sys.executable, "-m", "harnessrl.cli", "learn", "--spec", str(self.options.spec_path.resolve()),
             "--store", self.store_url, "--run", self.name, "--model", str(self.model_dir),
-            "--output", str(self.run_dir / "checkpoints"), "--steps", str(self.steps),
+            "--output", str(resolve(self.run_dir, self.spec.learner.checkpoint_dir)), "--steps", str(self.steps),
             "--replica", upstream, "--proxy", proxy_url,
         ]
         return self._spawn("learner", command, dict(os.environ))

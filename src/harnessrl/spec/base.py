@@ -31,6 +31,11 @@ class SpecModel(BaseModel):
     rules: ClassVar[tuple[Rule, ...]] = ()
     """Cross-field rules over this object; also emitted as CEL into the CRD at this object's schema."""
 
+    cluster_only: ClassVar[frozenset[str]] = frozenset()
+    """Fields (Python names) only the operator reads: ``harnessrl run`` has one machine and no pods, so it
+    leaves them alone, and ``harnessrl validate`` and ``harnessrl run`` say so when a file sets them
+    (``harnessrl.spec.scope``)."""
+
     changeable: ClassVar[frozenset[str] | None] = None
     """For the objects of a TrainingRun whose fields are fixed once it exists: the fields (Python names) that
     may still change; every other field gets a CEL transition rule (``self.f == oldSelf.f``) in the CRD, see

@@ -11,7 +11,8 @@ import click
 
 from harnessrl.spec.crd import CRD_PATH, render_crd_yaml
 from harnessrl.spec.documents import Document, YamlSyntaxError, is_other_object, load_documents
-from harnessrl.spec.problems import format_path, validate_document
+from harnessrl.spec.problems import format_path, parse_training_run, validate_document
+from harnessrl.spec.scope import cluster_only_paths
 
 EXIT_PROBLEMS = 1
 EXIT_UNREADABLE = 2
@@ -96,7 +97,11 @@ def validate_file(name: str) -> tuple[int, list[str]]:
     if lines:
         return EXIT_PROBLEMS, lines
     skipped = len(documents) - len(ours)
-    return 0, [f"{name}: OK" + (f" ({skipped} other Kubernetes object(s) skipped)" if skipped else "")]
+    ok = [f"{name}: OK" + (f" ({skipped} other Kubernetes object(s) skipped)" if skipped else "")]
+    cluster_only = [path for document in ours for path in cluster_only_paths(parse_training_run(document.data).spec)]
+    if cluster_only:
+        ok.append(f"{name}: only on a cluster (harnessrl run leaves them alone): {', '.join(cluster_only)}")
+    return 0, ok
 
 
 @click.command("validate")

@@ -158,6 +158,8 @@ class Verifier(SpecModel):
     resources: Resources = Field(default_factory=Resources)
     """Requests and limits of the verifier container."""
 
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"image", "resources"})
+
 
 class Harness(SpecModel):
     """The agent harness: a container that runs one rollout of one task and reports a reward (or leaves its
@@ -192,3 +194,4 @@ class Harness(SpecModel):
     Unset: the harness reports its own reward."""
 
     changeable: ClassVar[frozenset[str] | None] = frozenset({"concurrency", "timeout_seconds", "max_attempts"})
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"image", "resources", "sandbox"})

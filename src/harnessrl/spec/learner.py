@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import Field
 
@@ -172,6 +172,10 @@ class Learner(SpecModel):
     """A shared (ReadWriteMany) claim holding checkpointDir, so vLLM pods can load what the learner writes."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many of the newest checkpoints to keep."""
+
+    cluster_only: ClassVar[frozenset[str]] = frozenset(
+        {"nodes", "gpus_per_node", "image", "resources", "checkpoint_volume"}
+    )
 
     rules = (
         Rule(

@@ -50,6 +50,8 @@ class Model(SpecModel):
     tokenizer: str | None = Field(default=None, min_length=1)
     """A tokenizer directory, when it is not next to the weights."""
 
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"volume"})
+
     rules = (
         exactly_one(
             "the model",
@@ -103,6 +105,9 @@ class Rollout(SpecModel):
     """Use these running OpenAI-compatible servers (base URLs ending in /v1) instead of starting replicas."""
 
     changeable: ClassVar[frozenset[str] | None] = frozenset({"replicas"})
+    cluster_only: ClassVar[frozenset[str]] = frozenset(
+        {"replicas", "gpus_per_replica", "tensor_parallel", "image", "env", "resources"}
+    )
 
     rules = (
         Rule(
@@ -170,6 +175,8 @@ class Proxy(SpecModel):
     needs about 1 ms of CPU per call, and an OOM kill would lose the calls it holds)."""
     pause: Pause = Field(default_factory=Pause)
     """Behaviour during a weight sync."""
+
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"image", "port", "resources"})
 
 
 class WeightSync(SpecModel):
@@ -251,6 +258,7 @@ class TrainingRunSpec(SpecModel):
     changeable: ClassVar[frozenset[str] | None] = frozenset(
         {"rollout", "harness", "suspend", "active_deadline_seconds", "ttl_seconds_after_finished"}
     )
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"suspend", "ttl_seconds_after_finished"})
 
     rules = (
         Rule(
