@@ -67,3 +67,35 @@ def test_rollout_and_learner_logprobs_agree_at_temperature_0_7(vllm_server, tiny
               f"mean |diff| {metrics['logprob_abs_diff']:.2e}, tokens {metrics['logprob_tokens']:.0f}")
         assert metrics["logprob_tokens"] == len(tokens) == metrics["trained_target_tokens"]
         assert metrics["logprob_pearson"] >= 0.99 and metrics["logprob_abs_diff"] < 1e-2
+
+
+TOP_P = 0.8
+
+
+def test_with_top_p_the_learner_trains_the_nucleus_vllm_sampled_from(vllm_server, tiny_model_dir: Path,
+                                                                     tmp_path: Path):
+    """spec.rollout.topP 0.8: the stored (processed) log-probs are of the renormalised nucleus, above the plain
+    softmax's by -log(nucleus mass) on every token, and the learner, told the same top-p, agrees with them."""
+    def call(client) -> None:
+        client.chat.completions.create(model="policy", messages=MESSAGES, max_tokens=24)
+
+    with proxy_in_front(vllm_server, tmp_path, "nucleus", {"temperature": TEMPERATURE, "top_p": TOP_P}) as (
+        store, proxy
+    ):
+        rollouts = captured_group(store, proxy, "nucleus", call)
+        calls = [store.read_calls(r, 0)[0] for r in rollouts]
+        lifted = np.concatenate([
+            np.array(c.logprobs) - hf_logprobs(tiny_model_dir, c.prompt_token_ids, c.completion_token_ids, TEMPERATURE)
+            for c in calls
+        ])
+        print(f"processed minus plain log-probs at top_p {TOP_P}: mean {lifted.mean():.3f}, min {lifted.min():.3f}")
+        assert lifted.min() > -2e-2 and lifted.mean() > 0.05  # renormalised: never below, clearly above on average
+
+        settings = LearnerSettings(run="nucleus", model_dir=tiny_model_dir, output_dir=tmp_path / "ckpt", steps=1,
+                                   tasks_per_step=1, group_size=4, wait_timeout_s=0,
+                                   engine=EngineSettings(lr=1e-3, temperature=TEMPERATURE, top_p=TOP_P))
+        (outcome,) = Learner(settings, PolicyEngine(tiny_model_dir, settings.engine), store).run()
+        metrics = outcome.metrics
+        print(f"vLLM vs learner log-probs at T={TEMPERATURE}, top_p {TOP_P}: pearson {metrics['logprob_pearson']:.6f},"
+              f" mean |diff| {metrics['logprob_abs_diff']:.2e}")
+        assert metrics["logprob_pearson"] >= 0.99 and metrics["logprob_abs_diff"] < 1e-2

@@ -40,12 +40,14 @@ SPEC_FIELDS = {
     "advantage": ("Algorithm", "advantage"), "max_staleness": ("Learner", "max_staleness"),
     "row_mode": ("Rows", "mode"), "keep_checkpoints": ("Learner", "keep_checkpoints"),
     "mini_batches": ("Learner", "mini_batches"), "temperature": ("Rollout", "temperature"),
+    "top_p": ("Rollout", "top_p"),
 }
 
 # Flags that --spec replaces: the algorithm and engine settings come from the TrainingRun instead.
 SPEC_OWNED = ("tasks_per_step", "group_size", "lr", "zero_stage", "micro_batch_tokens", "gradient_clip",
               "gradient_checkpointing", "lora_rank", "lora_alpha", "loss", "loss_aggregation", "advantage",
-              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints", "mini_batches", "temperature")
+              "max_staleness", "row_mode", "max_row_tokens", "keep_checkpoints", "mini_batches", "temperature",
+              "top_p")
 
 
 def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **overrides: object):
@@ -91,6 +93,10 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.option("--temperature", default=_spec_default(*SPEC_FIELDS["temperature"]), show_default=True, type=float, callback=_positive,
               help="The replicas' sampling temperature: the learner trains softmax(logits / temperature). "
                    "[with --spec: spec.rollout.temperature]")
+@click.option("--top-p", default=_spec_default(*SPEC_FIELDS["top_p"]), show_default=True,
+              type=click.FloatRange(0, 1, min_open=True),
+              help="The replicas' nucleus: below 1 the learner trains the renormalised top-p distribution. "
+                   "[with --spec: spec.rollout.topP]")
 @click.option("--lr", default=_spec_default(*SPEC_FIELDS["lr"]), show_default=True, type=float, callback=_positive)
 @click.option("--zero-stage", default=_spec_default(*SPEC_FIELDS["zero_stage"]), show_default=True, type=click.IntRange(0, 3))
 @click.option("--micro-batch-tokens", default=_spec_default(*SPEC_FIELDS["micro_batch_tokens"]), show_default=True, type=click.IntRange(min=2))
@@ -120,7 +126,7 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
 @click.pass_context
 def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, run: str | None, model_dir: Path,
                   output_dir: Path, steps: int | None, tasks_per_step: int,
-                  group_size: int, mini_batches: int, temperature: float, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
+                  group_size: int, mini_batches: int, temperature: float, top_p: float, lr: float, zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                   gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                   loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
                   max_row_tokens: int | None, replicas: tuple[str, ...], proxies: tuple[str, ...],
@@ -143,7 +149,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
     else:
         settings = _settings_from_flags(
             run=run, steps=steps or 100, tasks_per_step=tasks_per_step, group_size=group_size,
-            mini_batches=mini_batches, temperature=temperature, lr=lr,
+            mini_batches=mini_batches, temperature=temperature, top_p=top_p, lr=lr,
             zero_stage=zero_stage, micro_batch_tokens=micro_batch_tokens, gradient_clip=gradient_clip,
             gradient_checkpointing=gradient_checkpointing, lora_rank=lora_rank, lora_alpha=lora_alpha, loss=loss,
             loss_aggregation=loss_aggregation, advantage=advantage, max_staleness=max_staleness,
@@ -152,7 +158,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
 
 
 def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_size: int, mini_batches: int,
-                         temperature: float, lr: float,
+                         temperature: float, top_p: float, lr: float,
                          zero_stage: int, micro_batch_tokens: int, gradient_clip: float,
                          gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                          loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
@@ -171,7 +177,7 @@ def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_siz
             group_size=group_size, row_mode=row_mode, max_row_tokens=max_row_tokens,
             engine=EngineSettings(
                 zero_stage=zero_stage, lr=lr, gradient_clip=gradient_clip, micro_batch_tokens=micro_batch_tokens,
-                gradient_checkpointing=gradient_checkpointing, temperature=temperature,
+                gradient_checkpointing=gradient_checkpointing, temperature=temperature, top_p=top_p,
                 lora=LoraSettings(rank=lora_rank, alpha=lora_alpha) if lora_rank else None,
             ),
             advantage=AdvantageConfig(estimator=advantage, max_staleness=max_staleness),

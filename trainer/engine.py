@@ -72,11 +72,16 @@ class EngineSettings:
     # spec.rollout.temperature: the policy trained is softmax(logits / temperature), the distribution the
     # replicas sample from (and, with vLLM's processed log-probs, report log-probs of)
     temperature: float = 1.0
+    # spec.rollout.topP: below 1 the replicas sample from the smallest set of tokens holding that much probability,
+    # renormalised (and processed log-probs are of that distribution), so the learner trains the same one
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
             raise ValueError(f"temperature: {self.temperature} must be > 0; greedy decoding (spec.rollout.temperature "
                              "0) has no sampling distribution to train: set spec.rollout.temperature above 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: {self.top_p} must be in (0, 1] (spec.rollout.topP)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage: {self.zero_stage} is not a ZeRO stage; use 0, 1, 2 or 3")
         if self.micro_batch_tokens < 2:
@@ -403,12 +408,12 @@ class PolicyEngine:
         for start in range(0, selected.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = selected[start:start + LOGPROB_CHUNK_TOKENS]
             targets = mb.targets[start:start + LOGPROB_CHUNK_TOKENS]
-            temperature = self.settings.temperature
+            temperature, top_p = self.settings.temperature, self.settings.top_p
             if torch.is_grad_enabled() and chunk.requires_grad:
                 logp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, chunk, targets, temperature,
-                                                              use_reentrant=False)
+                                                              top_p, use_reentrant=False)
             else:
-                logp, ent = _chunk_logprobs(head, chunk, targets, temperature)
+                logp, ent = _chunk_logprobs(head, chunk, targets, temperature, top_p)
             logps.append(logp)
             entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies).detach()
@@ -562,14 +567,30 @@ def _launcher_env(dist: DistInfo) -> Iterator[None]:
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of ``targets`` and the entropy under softmax(logits / temperature), the sampling policy."""
+                    temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of ``targets`` and the entropy under the sampling policy: softmax(logits / temperature),
+    restricted to the top-p nucleus and renormalised when ``top_p`` < 1."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
+    if top_p < 1.0:
+        logits = logits.masked_fill(_outside_nucleus(logits, targets, top_p), float("-inf"))
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():
         probs = torch.softmax(logits, dim=-1)
-        entropy = logz - (probs * logits).sum(-1)
+        entropy = logz - (probs * logits.masked_fill(torch.isinf(logits), 0.0)).sum(-1)
     return logp, entropy
+
+
+def _outside_nucleus(logits: torch.Tensor, targets: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p sampling never draws, by vLLM's rule: ascending by probability, those whose cumulative
+    probability stays within 1 - top_p (the most likely token always stays). The sampled token itself always
+    stays: two engines' rounding may put it on the other side of the cut, and -inf there would poison the loss."""
+    with torch.no_grad():
+        ordered, order = logits.sort(dim=-1)
+        drop_ordered = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop_ordered[..., -1] = False
+        drop = torch.zeros_like(drop_ordered).scatter(-1, order, drop_ordered)
+        drop.scatter_(-1, targets.unsqueeze(-1), False)
+    return drop

@@ -140,6 +140,7 @@ class LearnerSettings:
             offload_optimizer=learner.deepspeed.offload.optimizer == "cpu",
             offload_parameters=learner.deepspeed.offload.parameters == "cpu",
             temperature=spec.rollout.temperature,
+            top_p=spec.rollout.top_p,
         )
         loss = LossConfig.from_spec(algorithm, max_row_tokens=learner.rows.max_row_tokens)
         if algorithm.tis_cap == 0:

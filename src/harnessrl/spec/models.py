@@ -96,9 +96,9 @@ class Rollout(SpecModel):
     """Sampling temperature forced on every call; the learner trains softmax(logits / temperature), and vLLM
     reports that distribution's log-probs. Above 0 to train (0 is greedy: no distribution)."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling forced on every call; 1.0 keeps the samples on-policy, below it the importance weights
-    correct for the truncation. Other sampling fields a harness sends (top_k, min_p, penalties, logit_bias) are
-    replaced by neutral values."""
+    """Nucleus sampling forced on every call; below 1 the learner trains the same renormalised nucleus (vLLM
+    reports its log-probs), so the samples stay on-policy. Other sampling fields a harness sends (top_k, min_p,
+    penalties, logit_bias) are replaced by neutral values."""
     max_tokens: int | None = Field(default=None, ge=1)
     """Cap on completion tokens per call; unset leaves each call's own limit."""
     upstreams: list[HttpUrl] | None = Field(default=None, min_length=1)
