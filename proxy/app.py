@@ -36,7 +36,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from harnessrl.store.records import CallStatus, RolloutState
-from harnessrl.store.states import AttemptSettled
+from harnessrl.store.states import AttemptSettled, IllegalTransition
 
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -188,7 +188,9 @@ class CaptureProxy:
             app.router.add_post("/admin/pause", self.admin_pause, name="admin_pause")
             app.router.add_post("/admin/resume", self.admin_resume, name="admin_resume")
             app.router.add_get("/admin/state", self.admin_state, name="admin_state")
-            app.router.add_post("/admin/policy-version", self.admin_policy_version, name="admin_policy_version")
+            app.router.add_post(
+                "/admin/policy-version", self.admin_policy_version, name="admin_policy_version"
+            )
             app.router.add_post("/admin/flush", self.admin_flush, name="admin_flush")
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -623,18 +625,22 @@ class CaptureProxy:
             content_type=answer.content_type.split(";")[0].strip() or "application/json",
         )
 
-    async def reward(self, request: web.Request) -> web.Response:
-        who = self.attribution(request)
+    def _check_reward_token(self, request: web.Request) -> None:
+        """With a verifier (``HARNESSRL_REWARD_TOKEN``), only the verifier decides an attempt's outcome."""
         token = self.config.reward_token
         if token is not None and not hmac.compare_digest(
             request.headers.get("Authorization", "").encode(), f"Bearer {token}".encode()
         ):
             raise RequestError(
-                "this run's rewards come from its verifier: /v1/reward needs the header Authorization: Bearer "
-                "$HARNESSRL_REWARD_TOKEN, which only the verifier is given",
+                f"this run's rewards come from its verifier: {request.path} needs the header Authorization: "
+                "Bearer $HARNESSRL_REWARD_TOKEN, which only the verifier is given",
                 status=403,
                 code="reward_token_required",
             )
+
+    async def reward(self, request: web.Request) -> web.Response:
+        who = self.attribution(request)
+        self._check_reward_token(request)
         body = await read_json(request)
         if not isinstance(body, dict):
             raise RequestError('reward body must be a JSON object like {"value": 1.0, "info": {...}}')
@@ -698,6 +704,7 @@ class CaptureProxy:
 
     async def finish(self, request: web.Request) -> web.Response:
         who = self.attribution(request)
+        self._check_reward_token(request)
         body = await read_json(request)
         if not isinstance(body, dict):
             raise RequestError('finish body must be a JSON object like {"status": "succeeded"}')
@@ -708,10 +715,41 @@ class CaptureProxy:
             )
         error = body.get("error")
         reason = None if error is None else (error if isinstance(error, str) else json.dumps(error))
-        self.writer.put(FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason, who.run))
+        # Answered once stored, as a reward is: the harness may exit at once, and the scheduler must see it.
+        failure = await self._stored(
+            FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason, who.run)
+        )
         self.ledger.forget(who.key)
+        if isinstance(failure, IllegalTransition):
+            raise RequestError(
+                f"rollout {who.rollout_id} attempt {who.attempt} is already {failure.from_state.value}: "
+                "a settled attempt is not finished again",
+                status=409,
+                param="attempt",
+                code="attempt_settled",
+            )
+        if isinstance(failure, TimeoutError):
+            raise RequestError(
+                f"the end of rollout {who.rollout_id} attempt {who.attempt} is not stored yet: the trace store did "
+                f"not take it within {self.config.reward_timeout_s:g} s "
+                f"({self.writer.problem() or 'it is unavailable'}); the proxy keeps it and stores it when it can",
+                status=503,
+                code="finish_not_stored",
+            )
+        if failure is not None:
+            raise RequestError(
+                f"the trace store refused the rollout's end: {type(failure).__name__}: {failure}",
+                status=422,
+                code="finish_refused",
+            )
         return json_response(
-            {"rollout_id": who.rollout_id, "attempt": who.attempt, "status": status, "accepted": True}
+            {
+                "rollout_id": who.rollout_id,
+                "attempt": who.attempt,
+                "status": status,
+                "accepted": True,
+                "stored": True,
+            }
         )
 
     # -- operations ----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from harnessrl.proxy.config import ProxyConfig
 from harnessrl.proxy.metrics import ProxyMetrics
 from harnessrl.proxy.upstreams import UpstreamPool, UpstreamUnavailable
+from harnessrl.store import RolloutState
 
 
 def pool(*urls: str) -> UpstreamPool:
@@ -93,3 +94,26 @@ def test_with_a_reward_token_only_the_verifier_reports_the_reward(upstream, make
     assert accepted.status_code == 200, accepted.text
     assert store.get_attempt("r-1", 0).reward == 0.5
     assert TOKEN not in repr(proxy.config)  # never in logs
+
+
+def test_a_rollouts_end_is_stored_when_answered_and_a_second_end_is_refused(upstream, make_proxy, store):
+    """As a reward: the harness may exit at once (the writer lingers 30 s here, so an answer given on queueing
+    would find nothing stored); ending a settled attempt again is 409, naming its state."""
+    proxy = make_proxy([upstream.url], write_linger_s=30.0)
+    first = httpx.post(f"{proxy.v1}/rollout/finish", json={"status": "failed", "error": "gave up"}, timeout=60)
+    assert first.status_code == 200 and first.json()["stored"] is True
+    assert store.get_attempt("r-1", 0).state is RolloutState.FAILED
+    again = httpx.post(f"{proxy.v1}/rollout/finish", json={"status": "succeeded"}, timeout=60)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "attempt_settled"
+    assert "already failed" in again.json()["error"]["message"]
+    assert store.get_attempt("r-1", 0).state is RolloutState.FAILED
+
+
+def test_with_a_reward_token_only_the_verifier_ends_the_rollout(upstream, make_proxy, store):
+    proxy = make_proxy([upstream.url], reward_token=TOKEN)
+    refused = httpx.post(f"{proxy.v1}/rollout/finish", json={"status": "succeeded"}, timeout=60)
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "reward_token_required"
+    done = httpx.post(f"{proxy.v1}/rollout/finish", json={"status": "succeeded"},
+                      headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert done.status_code == 200
+    assert store.get_attempt("r-1", 0).state is RolloutState.SUCCEEDED
