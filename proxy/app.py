@@ -657,21 +657,12 @@ class CaptureProxy:
         error = await self._stored(RewardItem(who.rollout_id, who.attempt, float(value), info, who.run))
         if isinstance(error, AttemptSettled):
             raise RequestError(str(error), status=409, param="attempt", code="attempt_settled")
-        if isinstance(error, TimeoutError):
-            raise RequestError(
-                f"the reward for rollout {who.rollout_id} attempt {who.attempt} is not stored yet: the trace "
-                f"store did not take it within {self.config.reward_timeout_s:g} s "
-                f"({self.writer.problem() or 'it is unavailable'}); the proxy keeps it and stores it when it "
-                "can, but the attempt may be settled without it — post it again before exiting",
-                status=503,
-                code="reward_not_stored",
-            )
-        if error is not None:
-            raise RequestError(
-                f"the trace store refused the reward: {type(error).__name__}: {error}",
-                status=422,
-                code="reward_refused",
-            )
+        self._raise_unstored(
+            error,
+            f"the reward for rollout {who.rollout_id} attempt {who.attempt}",
+            "reward",
+            "but the attempt may be settled without it — post it again before exiting",
+        )
         return json_response(
             {
                 "rollout_id": who.rollout_id,
@@ -682,7 +673,25 @@ class CaptureProxy:
             }
         )
 
-    async def _stored(self, item: RewardItem) -> BaseException | None:
+    def _raise_unstored(self, error: BaseException | None, what: str, code: str, advice: str = "") -> None:
+        """The answer for a reward or a rollout end the store did not take: 503 while it is away (the item
+        stays in the proxy), 422 when it refused it."""
+        if isinstance(error, TimeoutError):
+            raise RequestError(
+                f"{what} is not stored yet: the trace store did not take it within "
+                f"{self.config.reward_timeout_s:g} s ({self.writer.problem() or 'it is unavailable'}); the proxy "
+                f"keeps it and stores it when it can{', ' + advice if advice else ''}",
+                status=503,
+                code=f"{code}_not_stored",
+            )
+        if error is not None:
+            raise RequestError(
+                f"the trace store refused {what}: {type(error).__name__}: {error}",
+                status=422,
+                code=f"{code}_refused",
+            )
+
+    async def _stored(self, item: RewardItem | FinishItem) -> BaseException | None:
         """Queue ``item`` behind the calls before it and wait until the store has it (None), refused it (the
         error) or ``reward_timeout_s`` passed (``TimeoutError``).
 
@@ -728,20 +737,7 @@ class CaptureProxy:
                 param="attempt",
                 code="attempt_settled",
             )
-        if isinstance(failure, TimeoutError):
-            raise RequestError(
-                f"the end of rollout {who.rollout_id} attempt {who.attempt} is not stored yet: the trace store did "
-                f"not take it within {self.config.reward_timeout_s:g} s "
-                f"({self.writer.problem() or 'it is unavailable'}); the proxy keeps it and stores it when it can",
-                status=503,
-                code="finish_not_stored",
-            )
-        if failure is not None:
-            raise RequestError(
-                f"the trace store refused the rollout's end: {type(failure).__name__}: {failure}",
-                status=422,
-                code="finish_refused",
-            )
+        self._raise_unstored(failure, f"the end of rollout {who.rollout_id} attempt {who.attempt}", "finish")
         return json_response(
             {
                 "rollout_id": who.rollout_id,
