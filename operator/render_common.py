@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from harnessrl.operator import naming
+from harnessrl.replica_targets import dns_target
 from harnessrl.spec.kube import EnvVar, Resources, Volume
 from harnessrl.spec.models import TrainingRun
 
@@ -161,7 +162,7 @@ def replica_targets(run: TrainingRun) -> list[str]:
     resolved again and again (``dns://``), where the Service's own name would pick a replica per request."""
     if run.spec.rollout.upstreams:
         return upstream_roots(run)
-    return [f"dns://{naming.rollout_pods_name(run.metadata.name)}:{naming.VLLM_PORT}"]
+    return [dns_target(naming.rollout_pods_name(run.metadata.name), naming.VLLM_PORT)]
 
 
 @dataclass(frozen=True)

@@ -74,6 +74,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from harnessrl.replica_targets import DNS_SCHEME, parse_dns_target
 from harnessrl.spec.models import Pause, Proxy
 
 MIB = 1024 * 1024
@@ -82,6 +83,7 @@ MIB = 1024 * 1024
 def _spec_default(model: type, field: str) -> Any:
     """A default shared with the TrainingRun spec, so a proxy started by hand behaves like one the spec made."""
     return model.model_fields[field].default
+
 
 # Flags whose name is not simply ``--field-name`` (see commands.py).
 FLAG_NAMES = {
@@ -105,7 +107,13 @@ class ConfigError(ValueError):
 # run's sampling (--sampling / HARNESSRL_SAMPLING: spec.rollout.temperature and topP) wins over them, and a run
 # may force any other of them for every call the same way.
 NEUTRAL_SAMPLING: dict[str, Any] = {
-    "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
     "logit_bias": None,
 }
 
@@ -162,14 +170,15 @@ class ProxyConfig(BaseSettings):
         if isinstance(value, (list, tuple)):
             urls = [str(v).strip().rstrip("/") for v in value if str(v).strip()]
             for url in urls:
-                if not url.startswith(("http://", "https://", "dns://")):
+                if not url.startswith(("http://", "https://", DNS_SCHEME)):
                     raise ValueError(
                         f"upstream {url!r} is not an http(s) URL, e.g. http://127.0.0.1:8000, or dns://NAME:PORT "
                         "for every address of a name (a headless Service)"
                     )
-                host, _, port = url.removeprefix("dns://").rpartition(":")
-                if url.startswith("dns://") and not (host and port.isdigit()):
-                    raise ValueError(f"upstream {url!r}: write a DNS upstream as dns://NAME:PORT")
+                try:
+                    parse_dns_target(url)
+                except ValueError as exc:
+                    raise ValueError(f"upstream {exc}") from None
                 if url.endswith("/v1"):
                     raise ValueError(f"upstream {url!r}: give the server root, without /v1")
             return urls

@@ -37,11 +37,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from harnessrl.replica_targets import DNS_SCHEME, base_urls, parse_dns_target
+
 from .metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
-
-DNS_SCHEME = "dns://"
 
 
 class UpstreamUnavailable(Exception):
@@ -141,19 +141,22 @@ class UpstreamPool:
         answers nothing keeps its previous addresses (a DNS hiccup must not drop every replica)."""
         loop = asyncio.get_running_loop()
         for target in self.targets:
-            if not target.startswith(DNS_SCHEME):
+            parsed = parse_dns_target(target)
+            if parsed is None:
                 continue
-            host, _, port = target.removeprefix(DNS_SCHEME).rpartition(":")
+            host, port = parsed
             try:
-                answers = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            except (OSError, ValueError) as exc:
+                answers = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as exc:
                 log.warning("upstream %s does not resolve (%s); keeping its known replicas", target, exc)
                 continue
-            ips = sorted({answer[4][0] for answer in answers})
-            if ips:
-                self._resolved[target] = [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
-                                          for ip in ips]
-        urls = [url for t in self.targets for url in (self._resolved.get(t, []) if t.startswith(DNS_SCHEME) else [t])]
+            if answers:
+                self._resolved[target] = base_urls((answer[4][0] for answer in answers), port)
+        urls = [
+            url
+            for t in self.targets
+            for url in (self._resolved.get(t, []) if t.startswith(DNS_SCHEME) else [t])
+        ]
         self.urls = list(dict.fromkeys(urls))
 
     async def _refresh_forever(self) -> None:

@@ -36,6 +36,8 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from harnessrl.replica_targets import DNS_SCHEME, base_urls, parse_dns_target
+
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["wait", "reject"]
@@ -330,23 +332,21 @@ def retry(fn: Callable[[], Any], tries: int, backoff_s: float, what: str,
     raise AssertionError("unreachable")
 
 
-DNS_SCHEME = "dns://"
-
-
 def resolve_replica_urls(target: str, resolve: Callable[..., list] = socket.getaddrinfo) -> list[str]:
     """Base URLs for ``target``: itself for ``http(s)://...``; for ``dns://NAME:PORT`` one per address NAME
     resolves to now (a headless Service answers with its Ready pods), sorted, IPv6 in brackets."""
-    if not target.startswith(DNS_SCHEME):
-        return [target.rstrip("/")]
-    host, _, port = target.removeprefix(DNS_SCHEME).rstrip("/").rpartition(":")
-    if not host or not port.isdigit():
-        raise SyncError(f"{target}: write a DNS replica set as dns://NAME:PORT")
     try:
-        answers = resolve(host, int(port), type=socket.SOCK_STREAM)
+        parsed = parse_dns_target(target)
+    except ValueError as exc:
+        raise SyncError(str(exc)) from None
+    if parsed is None:
+        return [target.rstrip("/")]
+    host, port = parsed
+    try:
+        answers = resolve(host, port, type=socket.SOCK_STREAM)
     except OSError as exc:
         raise SyncError(f"{target}: {host} does not resolve ({exc}) — are the vLLM pods Ready?") from None
-    addresses = sorted({answer[4][0] for answer in answers})
-    return [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}" for ip in addresses]
+    return base_urls((answer[4][0] for answer in answers), port)
 
 
 class ReplicaSet:
