@@ -178,15 +178,16 @@ def test_upgrade_keeps_the_first_of_duplicate_calls_and_every_kept_call_rebuilds
     from sqlalchemy.exc import IntegrityError
     from synthetic_calls import chat_trajectory
 
-    from harnessrl.store.migrate import upgrade
+    from harnessrl.store.migrate import downgrade
 
     calls = chat_trajectory("dup", turns=3, seed=5)
     twin = dataclasses.replace(calls[1], call_id="twin", created_at=calls[1].created_at + timedelta(seconds=1))
     with TraceStore.connect(store_url) as store:
-        upgrade(store.engine, "0001")
+        store.upgrade()  # today's writer writes today's columns; the store then goes back to revision 0001
         store.add_calls(calls[:2])
         store.add_calls([twin])  # its place is taken: stored at seq 2, a delta against calls[1]
         store.add_calls([dataclasses.replace(calls[2], seq=3)])  # a delta against the twin
+        assert downgrade(store.engine, "0001") == "0001"
         with store.engine.begin() as conn:  # the duplicate as an older store could hold it
             conn.execute(text("UPDATE llm_calls SET seq = 1 WHERE call_id = 'twin'"))
             conn.execute(text("UPDATE llm_calls SET seq = 2 WHERE call_id = :id"), {"id": calls[2].call_id})
@@ -197,3 +198,29 @@ def test_upgrade_keeps_the_first_of_duplicate_calls_and_every_kept_call_rebuilds
         assert [c.parent_call_id for c in store.rollout_calls("dup", 0)] == [None, calls[0].call_id, None]
         with pytest.raises(IntegrityError), store.engine.begin() as conn:
             conn.execute(text("UPDATE llm_calls SET seq = 0 WHERE call_id = :id"), {"id": calls[1].call_id})
+
+
+def test_upgrade_to_0003_keeps_calls_and_records_the_sampling_of_new_ones(store_url: str) -> None:
+    """Revision 0003 adds ``llm_calls.sampling``: a call stored before it reads back unchanged with sampling
+    None (not recorded); a call written after it keeps the sampling parameters exactly (COPY and insert)."""
+    import dataclasses
+
+    from synthetic_calls import chat_trajectory
+
+    from harnessrl.store.migrate import downgrade
+
+    old = chat_trajectory("before", turns=2, seed=3)
+    sampling = {"temperature": 0.7, "top_p": 0.8, "top_k": -1, "min_p": 0.0, "logit_bias": {}}
+    new = [dataclasses.replace(c, sampling=sampling) for c in chat_trajectory("after", turns=2, seed=4)]
+    with TraceStore.connect(store_url) as store:
+        store.upgrade()
+        store.add_calls(old)  # written by today's writer, without sampling; then the store goes back to 0002
+        assert downgrade(store.engine, "0002") == "0002"
+        assert "sampling" not in {c["name"] for c in inspect(store.engine).get_columns("llm_calls")}
+        assert store.upgrade() == head_revision()
+        assert schema_diffs(store) == []
+        assert store.read_calls("before", 0) == old
+        assert all(c.sampling is None for c in store.read_calls("before", 0))
+        store.add_calls(new)
+        assert [c.sampling for c in store.read_calls("after", 0)] == [sampling] * len(new)
+        assert store.read_calls("after", 0) == new

@@ -34,7 +34,7 @@ from sqlalchemy import Connection, LargeBinary
 from harnessrl.store.call_rows import PreparedCall
 from harnessrl.store.schema import LlmCall
 
-JSON_COLUMNS = ("request", "response", "response_stripped")
+JSON_COLUMNS = ("request", "response", "response_stripped", "sampling")
 _COLUMNS = [c.name for c in LlmCall.__table__.columns]
 _TEMP = "harnessrl_llm_calls_in_" + hashlib.blake2b(",".join(_COLUMNS).encode(), digest_size=4).hexdigest()
 _COLUMN_LIST = ", ".join(_COLUMNS)

@@ -113,6 +113,7 @@ class PreparedCall:
             "response_stripped": None
             if self.response_stripped is None
             else codec.dumps(self.response_stripped),
+            "sampling": None if self.record.sampling is None else _json_text(self.record.sampling, "sampling"),
         }
 
     def row(self) -> dict[str, Any]:
@@ -135,6 +136,7 @@ class PreparedCall:
             "request_reused": e.request_reused,
             "response": self.response,
             "response_stripped": self.response_stripped,
+            "sampling": r.sampling,
             "context_len": a.context_len,
             "context_digest": a.context_digest,
             "input_len": a.input_len,
@@ -172,6 +174,8 @@ def prepare_call(record: CallRecord) -> PreparedCall:
         ) from None
     if not isinstance(record.request, dict):
         raise ValueError("request must be a JSON object")
+    if record.sampling is not None and not isinstance(record.sampling, dict):
+        raise ValueError(f"sampling must be a JSON object or None, got {record.sampling!r}")
     if record.response is not None and not isinstance(record.response, dict):
         raise ValueError("response must be a JSON object or None")
     if not isinstance(record.latency_s, int | float) or not math.isfinite(record.latency_s):
@@ -290,4 +294,5 @@ class CallRebuilder:
             http_status=row.http_status,
             finish_reason=row.finish_reason,
             created_at=row.created_at,
+            sampling=row._mapping.get("sampling"),  # absent in tables before revision 0003 (migration 0002)
         )

@@ -66,6 +66,13 @@ def upgrade(engine: Engine, revision: str = "head") -> str | None:
     return current_revision(engine)
 
 
+def downgrade(engine: Engine, revision: str) -> str | None:
+    """Migrate down to ``revision``; for tests that build a store as an older release left it."""
+    with _migration_transaction(engine) as connection:
+        command.downgrade(alembic_config(connection), revision)
+    return current_revision(engine)
+
+
 def autogenerate_revision(engine: Engine, message: str) -> None:
     """Write a new revision script from the difference between the models and a database at head.
 

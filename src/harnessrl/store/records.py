@@ -67,6 +67,8 @@ class CallRecord:
     http_status: int = 200
     finish_reason: str | None = None
     created_at: datetime = field(default_factory=utcnow)
+    # the sampling parameters sent upstream, as sent (None: not recorded; the harness's request keeps its own)
+    sampling: dict[str, Any] | None = None
 
     @property
     def prompt_tokens(self) -> int:

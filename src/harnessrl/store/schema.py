@@ -204,6 +204,9 @@ class LlmCall(Base):
     request_reused: Mapped[int] = mapped_column(Integer)
     response: Mapped[dict[str, Any] | None] = json_column(nullable=True)
     response_stripped: Mapped[list[Any] | None] = json_column(nullable=True)
+    # The sampling parameters the proxy sent upstream (temperature, top_p and, in train mode, the neutral
+    # top_k/min_p/penalties/logit_bias), what the log-probs were taken under; NULL when not recorded.
+    sampling: Mapped[dict[str, Any] | None] = json_column(nullable=True)
 
     context_len: Mapped[int] = mapped_column(Integer)
     context_digest: Mapped[bytes] = mapped_column(LargeBinary)
