@@ -348,6 +348,13 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
         "advantage rloo compares rollouts within a group, but groupSize is 1",
     ),
     (
+        "Evaluation:samplesPerTask",
+        spec({"evaluation": {"tasks": {"inline": [{"id": "e1"}]}, "samplesPerTask": 4, "temperature": 1.0}}),
+        spec({"evaluation": {"tasks": {"inline": [{"id": "e1"}]}, "samplesPerTask": 4}}),
+        "spec.evaluation.samplesPerTask",
+        "samplesPerTask is 4 but temperature is 0 (greedy)",
+    ),
+    (
         "TrainingRunSpec:learner.lora",
         spec({"weightSync": {"method": "lora"}, "learner": {"lora": {"rank": 8}}}),
         spec({"weightSync": {"method": "lora"}}),
@@ -401,14 +408,15 @@ def test_rules_sit_in_the_crd_at_their_models_schema_node() -> None:
             count(node["items"])
 
     count(schema)
-    # EnvVar and EnvVarSource appear three times (rollout.env, harness.env, harness.verifier.env); every
-    # other model once.
+    # EnvVar and EnvVarSource appear three times (rollout.env, harness.env, harness.verifier.env), Tasks and
+    # FileSource twice (harness.tasks, evaluation.tasks); every other model once.
     per_model = {
         name: len(cls.rules)
         for name, cls in _model_classes(TrainingRun).items()
         if issubclass(cls, SpecModel)
     }
-    expected = sum(per_model.values()) + 2 * (per_model["EnvVar"] + per_model["EnvVarSource"])
+    expected = (sum(per_model.values()) + 2 * (per_model["EnvVar"] + per_model["EnvVarSource"])
+                + per_model["Tasks"] + per_model["FileSource"])
     assert total == expected
 
 

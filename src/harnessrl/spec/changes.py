@@ -15,7 +15,7 @@ had the field, so a fixed optional field compares presence too: setting a field 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel
 from pydantic.alias_generators import to_camel
@@ -37,6 +37,10 @@ def _may_be_absent(model: type[BaseModel], name: str) -> bool:
 def _checked_submodel(model: type[BaseModel], name: str) -> type[SpecModel] | None:
     """The field's model when that model fixes its own fields (so this level leaves it alone)."""
     annotation = model.model_fields[name].annotation
+    # An optional section (``evaluation: Evaluation | None``) fixes its own fields wherever it is set.
+    members = [arg for arg in get_args(annotation) if arg is not type(None)]
+    if len(members) == 1:
+        annotation = members[0]
     if (
         isinstance(annotation, type)
         and issubclass(annotation, SpecModel)

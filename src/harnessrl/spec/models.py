@@ -11,6 +11,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from harnessrl.spec.base import SpecModel
+from harnessrl.spec.evaluation import Evaluation
 from harnessrl.spec.harness import Harness
 from harnessrl.spec.kube import PATH_MAX, RUN_NAME, RUN_NAME_MAX, EnvVar, HttpUrl, KeyRef, Resources, Volume
 from harnessrl.spec.learner import Learner
@@ -248,6 +249,8 @@ class TrainingRunSpec(SpecModel):
     """How new weights reach vLLM."""
     store: Store = Field(default_factory=lambda: Store(sqlite=SqliteStore()))
     """The trace store."""
+    evaluation: Evaluation | None = None
+    """Score the policy on held-out tasks as it trains; unset: no evaluation."""
     suspend: bool = False
     """Start no new rollouts or learner steps; running work finishes and nothing is lost. false resumes."""
     active_deadline_seconds: int | None = Field(default=None, ge=1)
@@ -256,7 +259,7 @@ class TrainingRunSpec(SpecModel):
     """Delete the run's pods and services this long after it finishes (stored traces are kept)."""
 
     changeable: ClassVar[frozenset[str] | None] = frozenset(
-        {"rollout", "harness", "suspend", "active_deadline_seconds", "ttl_seconds_after_finished"}
+        {"rollout", "harness", "evaluation", "suspend", "active_deadline_seconds", "ttl_seconds_after_finished"}
     )
     cluster_only: ClassVar[frozenset[str]] = frozenset({"suspend", "ttl_seconds_after_finished"})
 
