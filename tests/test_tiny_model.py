@@ -59,3 +59,61 @@ def test_unsupported_head_size_is_a_clear_error(tmp_path: Path) -> None:
                            "--hidden-size", "48"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "head size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        },
+    }
+]
+TOOL_HISTORY = [
+    {"role": "system", "content": "you are a coding agent"},
+    {"role": "user", "content": "read file 42"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "c1", "content": "def f(): pass"},
+    {"role": "tool", "tool_call_id": "c2", "content": "second"},
+]
+
+
+def test_chat_template_renders_tools_tool_calls_and_results_like_qwen(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    plain = tok.apply_chat_template(TOOL_HISTORY[:2], add_generation_prompt=True, tokenize=False)
+    with_tools = tok.apply_chat_template(TOOL_HISTORY[:2], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert plain == "<|im_start|>system\nyou are a coding agent<|im_end|>\n<|im_start|>user\nread file 42<|im_end|>\n" \
+        "<|im_start|>assistant\n"
+    assert with_tools != plain
+    assert with_tools.startswith("<|im_start|>system\nyou are a coding agent\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(TOOLS[0]) + "\n</tools>" in with_tools
+    full = tok.apply_chat_template(TOOL_HISTORY, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert full.endswith(
+        "<|im_start|>assistant\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.py\"}}\n"
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\ndef f(): pass\n</tool_response>\n"
+        "<tool_response>\nsecond\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    # arguments as an object (transformers users) render as the JSON string OpenAI clients send
+    as_dict = [dict(m) for m in TOOL_HISTORY]
+    as_dict[2] = {**as_dict[2], "tool_calls": [{"type": "function", "function": {"name": "read_file",
+                                                                                 "arguments": {"path": "a.py"}}}]}
+    assert tok.apply_chat_template(as_dict, tools=TOOLS, add_generation_prompt=True, tokenize=False) == full
+
+
+def test_tool_markers_are_single_tokens_kept_in_decoded_text(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    ids = tok.encode('<tool_call>\n{"name": "f"}\n</tool_call>')
+    assert ids[0] == tok.convert_tokens_to_ids("<tool_call>") and ids[-1] == tok.convert_tokens_to_ids("</tool_call>")
+    assert tok.decode(ids, skip_special_tokens=True) == '<tool_call>\n{"name": "f"}\n</tool_call>'

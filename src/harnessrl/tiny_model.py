@@ -18,14 +18,48 @@ from pathlib import Path
 import click
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Qwen2.5's tool markers: ordinary (non-special) added tokens, so they survive `skip_special_tokens` in the
+# server's output text, where vLLM's `hermes` tool parser looks for them (it refuses a vocabulary without them).
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-# ChatML, the template Qwen2 models use. `tool` messages are rendered like any other role so a multi-turn
-# harness with tool results works without a tool parser.
+# ChatML as Qwen2.5 renders it, tools included: with ``tools`` the system message lists them in <tools></tools>
+# and says how to call them; an assistant's ``tool_calls`` render as <tool_call> JSON blocks (``arguments`` as
+# sent: a JSON string, as OpenAI clients send it, is written as is; an object, as transformers users pass it,
+# through ``tojson``); ``tool`` results are <tool_response> blocks in one user turn. Without tools and tool
+# calls this is plain ChatML (no default system message, unlike Qwen's), so plain chat renders as before.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] or '' }}{{- '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + (message['content'] or '') + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 _WORDS = (
@@ -80,20 +114,22 @@ def _corpus(rng: random.Random, lines: int) -> list[str]:
 
 
 def build_tokenizer(path: Path, cfg: TinyModelConfig):
-    """Train a byte-level BPE tokenizer on generated text and save it as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Train a byte-level BPE tokenizer on generated text and save it as a transformers fast tokenizer
+    (``cfg.vocab_size`` tokens in all: the trained ones, the chat tokens and the tool markers)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size,
+        vocab_size=cfg.vocab_size - len(TOOL_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(cfg.seed), 4000), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
