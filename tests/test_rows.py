@@ -233,3 +233,34 @@ def test_stats_add_up_and_flatten_for_metrics():
     assert metrics["calls"] == 3 and metrics["rows"] == 2 and metrics["dropped_error"] == 1
     assert metrics["split_truncation"] == 1 and metrics["split_history_edited"] == 0
     assert np.isclose(metrics["row_tokens"], 4)
+
+
+def test_interleaved_conversations_merge_into_one_row_each():
+    """An agent (1, 2, ...) and its sub-agent (7, 7, ...) interleaved in one attempt: parent-less (full
+    records) or as deltas against the call each one extends, every call continues its own conversation's
+    row, and a retry of the other conversation's last call is recognised as a duplicate."""
+    full = [
+        call("a1", 0, [1, 2], [3]),
+        call("b1", 1, [7, 7], [8]),
+        call("a2", 2, [1, 2, 3, 4], [5]),
+        call("b2", 3, [7, 7, 8, 9], [6]),
+        call("b2-retry", 4, [7, 7, 8, 9], [6, 6]),
+        call("a3", 5, [1, 2, 3, 4, 5, 0], [1]),
+        call("b3", 6, [7, 7, 8, 9, 6, 6, 0], [2]),
+    ]
+    deltas = [
+        call("a1", 0, [1, 2], [3]),
+        call("b1", 1, [7, 7], [8]),
+        call("a2", 2, [4], [5], parent="a1"),
+        call("b2", 3, [9], [6], parent="b1"),
+        call("b2-retry", 4, [9], [6, 6], parent="b1"),
+        call("a3", 5, [0], [1], parent="a2"),
+        call("b3", 6, [0], [2], parent="b2-retry"),
+    ]
+    for calls in (full, deltas):
+        result = merge_calls_into_rows(calls)
+        assert [row.call_ids for row in result.rows] == [("a1", "a2", "a3"), ("b1", "b2-retry", "b3")]
+        assert [row.input_ids.tolist() for row in result.rows] == [[1, 2, 3, 4, 5, 0, 1], [7, 7, 8, 9, 6, 6, 0, 2]]
+        assert result.rows[1].loss_mask.tolist() == [0, 0, 1, 0, 1, 1, 0, 1]
+        assert result.stats.dropped == {"duplicate": 1}
+        assert result.stats.row_tokens == 15 and result.stats.generated_tokens == 7

@@ -19,6 +19,10 @@ How each call is placed (calls are taken in ``seq`` order):
   ``template_drift`` (the harness re-rendered the model's own output); before ``pk`` with a prompt shorter
   than the row's kept content (the conversation shrank instead of growing) is ``truncation`` (context
   dropped); before ``pk`` otherwise is ``history_edited``.
+* Interleaved conversations (an agent and its sub-agent in one attempt): a delta call continues the row its
+  parent is in, and a parent-less call whose prompt does not extend the current row continues the row (of the
+  ``ROW_SEARCH`` latest) whose kept content is the longest prefix of it, or whose last call it repeats; so each
+  conversation merges into its own row, and only a call that continues none starts a new one.
 * Retries: a kept call whose full prompt equals the previous kept call's prompt is a duplicate. The later one
   is kept by default ("the last OK one"); if the next kept call extends an earlier duplicate instead, that
   one is swapped back in. Exactly one call of such a run is kept; the others count as ``duplicate``.
@@ -57,6 +61,7 @@ import numpy as np
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
 
 RowMode = Literal["merge", "transition"]
+ROW_SEARCH = 8  # rows a parent-less call may continue besides the current one (interleaved conversations)
 log = logging.getLogger(__name__)
 
 
@@ -359,12 +364,16 @@ class _RowBuilder:
             if parent is None or not parent.valid():
                 self.stats.dropped[DropReason.MISSING_PARENT.value] += 1
                 return
+            if parent.buffer is not None and parent.buffer is not cur:
+                cur = self.cur = parent.buffer  # an interleaved conversation: continue its own row
             if parent.buffer is cur and cur is not None:
                 e = parent.end
                 if parent.extra is not None:
                     suffix = np.concatenate((parent.extra, _ids(suffix)))
-            else:  # parent lives in an older row or aside: compare the whole prompt with the current row
+            else:  # parent lives aside: compare the whole prompt with the current row
                 suffix = np.concatenate((parent.materialize(), _ids(suffix)))
+        elif cur is not None:
+            cur = self.cur = self._row_for(suffix, cur)
         length = e + len(suffix)
         if reason is None:
             reason = self._length_drop_reason(length)
@@ -425,6 +434,20 @@ class _RowBuilder:
             self._place_aside(call, prompt)
 
     # -- helpers ------------------------------------------------------------------------------------------------
+
+    def _row_for(self, prompt: TokenIds, cur: _Buffer) -> _Buffer:
+        """The row a parent-less prompt continues: the current one if it extends it (or repeats its last
+        call), else the row among the ``ROW_SEARCH`` latest whose kept content is the longest prefix of the
+        prompt or whose last call it repeats (interleaved conversations: an agent and its sub-agent), else
+        the current one (the prompt starts a new row, a split counted against it)."""
+        length = len(prompt)
+        if _continues(cur, prompt, length):
+            return cur
+        best, best_end = cur, -1
+        for buffer in self.rows[-ROW_SEARCH:]:
+            if buffer is not cur and buffer.kept_end > best_end and _continues(buffer, prompt, length):
+                best, best_end = buffer, buffer.kept_end
+        return best
 
     def _length_drop_reason(self, prompt_length: int) -> DropReason | None:
         if self.max_prompt is not None and prompt_length > self.max_prompt:
@@ -569,6 +592,12 @@ def _status_drop_reason(call: StoredCall) -> DropReason | None:
     if len(call.logprobs) != len(call.completion_token_ids):
         return DropReason.MALFORMED
     return None
+
+
+def _continues(buffer: _Buffer, prompt: TokenIds, length: int) -> bool:
+    """Whether a whole prompt extends ``buffer``'s kept content or repeats its last kept call's prompt."""
+    extends, diverge_at = _relation(buffer.data, 0, prompt, buffer.kept_end)
+    return extends or (bool(buffer.kept) and diverge_at == length == buffer.kept[-1].prompt_end)
 
 
 def _relation(data: np.ndarray, e: int, suffix: TokenIds, kept_end: int) -> tuple[bool, int]:
