@@ -181,6 +181,14 @@ def learner() -> Dashboard:
             gauge("Staleness", "none", "staleness_mean", "staleness_max"),
             gauge("Step time", "s", "step_seconds", "train_seconds", "sync_seconds"),
         ],
+        "Merge": [
+            gauge("Merge quality", "none", "merge_token_ratio", "rows_per_rollout",
+                  description="merge_token_ratio: training tokens / final trajectory tokens of the step's rollouts "
+                              "(1.0: a perfect merge); rows_per_rollout: training rows per trained rollout (1: "
+                              "every trajectory one row)."),
+            ("Row splits by reason", "short",
+             ((f"{rate('harnessrl_learner_row_splits_total', 'reason')} or vector(0)", "{{reason}}"),)),
+        ],
     })
 
 

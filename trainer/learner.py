@@ -66,7 +66,7 @@ from harnessrl.trainer.losses import (
     aggregation_weights,
     policy_loss,
 )
-from harnessrl.trainer.metrics import LearnerMetrics
+from harnessrl.trainer.metrics import LearnerMetrics, final_trajectory_tokens, merge_quality
 from harnessrl.trainer.rows import Row, RowMode, RowStats, merge_calls_into_rows
 from harnessrl.trainer.weight_sync import (
     ProxyAdminGate,
@@ -359,6 +359,7 @@ class Learner:
         assert store is not None
         s = self.settings
         row_stats = RowStats()
+        final_tokens = 0
         rows_by_key: dict[tuple[str, int], list[Row]] = {}
         outcomes: list[RolloutOutcome] = []
         for attempt in claim.attempts:
@@ -366,6 +367,7 @@ class Learner:
             built = merge_calls_into_rows(calls, mode=s.row_mode, max_prompt_tokens=s.max_prompt_tokens,
                                           max_row_tokens=s.max_row_tokens)
             row_stats.add(built.stats)
+            final_tokens += final_trajectory_tokens([row.input_ids for row in built.rows])
             rows_by_key[attempt.key] = built.rows
             versions = [r.min_policy_version for r in built.rows]
             oldest = min(versions) if versions else (attempt.policy_version_start
@@ -403,6 +405,7 @@ class Learner:
             "updates": len(parts),
             "rows_per_rollout": len(train_rows) / trained_rollouts if trained_rollouts else math.nan,
             **row_stats.as_metrics(),
+            **merge_quality(row_stats.row_tokens, final_tokens),
             **adv.stats.as_metrics(),
         }
         return parts, info

@@ -8,9 +8,10 @@ store carries the same numbers (and more) as JSON; these are for dashboards and 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -41,6 +42,7 @@ GAUGES: dict[str, str] = {
     "grad_norm": "Global gradient norm before clipping, averaged over the step's updates.",
     "tokens_per_second": "Row tokens (prompt and generated) trained per second in the step's train phase.",
     "rows_per_rollout": "Training rows per trained rollout (1 when every trajectory merged into one row).",
+    "merge_token_ratio": "Row tokens / final trajectory tokens of the step's rollouts (1.0: a perfect merge).",
     "staleness_mean": "Mean policy-version lag of the step's rollouts.",
     "staleness_max": "Largest policy-version lag of the step's rollouts.",
     "logprob_abs_diff": "Mean |rollout log-prob - learner log-prob| on the same generated tokens.",
@@ -57,6 +59,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "rows": ("rows", "Training rows built."),
     "row_tokens": ("row_tokens", "Row tokens built (each token once per row)."),
     "generated_tokens": ("generated_tokens", "Generated (trained) tokens in the built rows."),
+    "final_trajectory_tokens": ("final_trajectory_tokens",
+                                "Tokens of the built rollouts' trajectories as they ended, each counted once."),
     "trained_tokens": ("trained_tokens", "Row tokens that went through forward/backward."),
     "zero_variance_groups": ("zero_variance_groups", "Task groups whose rewards were all equal (no gradient)."),
     "empty_step": ("empty_steps", "Steps with no trainable group: weights kept, nothing saved or reloaded."),
@@ -116,6 +120,38 @@ class LearnerMetrics:
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Expose ``/metrics`` on ``port`` (a daemon thread; rank 0 only)."""
         start_http_server(port, addr=addr, registry=self.registry)
+
+
+def final_trajectory_tokens(token_rows: Sequence[np.ndarray]) -> int:
+    """The tokens of one rollout attempt's trajectories as they ended, each token counted once.
+
+    That is the number of distinct prefixes of the rows' token sequences (the size of their prefix tree): one
+    conversation merged into one row counts its final length; a conversation split into rows (a template that
+    re-renders the model's output, an edited history) counts the final conversation plus only what really
+    differs, while its rows repeat every shared prefix; two interleaved conversations count both (their common
+    system prompt once). So row tokens / this is 1.0 for a perfect merge and grows with every prefix trained
+    twice. Sorted lexicographically, each sequence shares its longest prefix with a neighbour, so the count is
+    the total length minus the neighbours' common prefixes: O(tokens + rows log rows) comparisons.
+    """
+    seqs = sorted((np.asarray(r, dtype=np.int64) for r in token_rows), key=lambda a: a.astype(">i8").tobytes())
+    total = 0
+    previous: np.ndarray | None = None
+    for seq in seqs:
+        total += len(seq)
+        if previous is not None:
+            n = min(len(seq), len(previous))
+            differ = np.flatnonzero(seq[:n] != previous[:n])
+            total -= int(differ[0]) if differ.size else n
+        previous = seq
+    return total
+
+
+def merge_quality(row_tokens: int, final_tokens: int) -> dict[str, float]:
+    """Step metrics of how well calls merged (rows per rollout is ``rows`` / ``rollouts`` of the step)."""
+    return {
+        "final_trajectory_tokens": final_tokens,
+        "merge_token_ratio": row_tokens / final_tokens if final_tokens else math.nan,
+    }
 
 
 def _is_number(value: Any) -> bool:

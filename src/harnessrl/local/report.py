@@ -33,6 +33,48 @@ class StepSummary:
 
 
 @dataclass(frozen=True)
+class MergeQuality:
+    """How the learner's row builder merged the calls of the rollouts it trained on (from step records).
+
+    ``token_ratio`` is row tokens / final trajectory tokens (``trainer.metrics.final_trajectory_tokens``):
+    1.0 when every trajectory became one row, above 1 by the prefixes trained again after each split;
+    ``splits`` counts the row builder's reasons for starting a new row.
+    """
+
+    rollouts: int
+    rows: int
+    row_tokens: int
+    final_tokens: int
+    splits: dict[str, int]
+
+    @classmethod
+    def of(cls, metrics: list[dict[str, Any]]) -> MergeQuality:
+        def total(name: str, among: list[dict[str, Any]]) -> int:
+            return int(sum(m.get(name) or 0 for m in among))
+
+        measured = [m for m in metrics if "final_trajectory_tokens" in m]  # step records that carry it
+        splits = {
+            name.removeprefix("split_"): total(name, metrics)
+            for name in sorted({n for m in metrics for n in m if n.startswith("split_")})
+        }
+        return cls(total("rollouts", metrics), total("rows", metrics), total("row_tokens", measured),
+                   total("final_trajectory_tokens", measured), {k: v for k, v in splits.items() if v})
+
+    @property
+    def rows_per_rollout(self) -> float | None:
+        return self.rows / self.rollouts if self.rollouts else None
+
+    @property
+    def token_ratio(self) -> float | None:
+        return self.row_tokens / self.final_tokens if self.final_tokens else None
+
+    def line(self) -> str:
+        splits = ", ".join(f"{reason} {n}" for reason, n in self.splits.items()) or "none"
+        return (f"merge: {_fmt(self.rows_per_rollout, 2)} rows per rollout, training tokens / final trajectory "
+                f"tokens {_fmt(self.token_ratio, 2)} (1.00 is a perfect merge), splits: {splits}")
+
+
+@dataclass(frozen=True)
 class RunSummary:
     run: str
     counts: dict[RolloutState, int]
@@ -44,6 +86,10 @@ class RunSummary:
     @property
     def finished(self) -> int:
         return sum(n for state, n in self.counts.items() if state.terminal)
+
+    @property
+    def merge(self) -> MergeQuality:
+        return MergeQuality.of([s.metrics for s in self.steps])
 
 
 def summarize(store: TraceStore, run: str) -> RunSummary:
@@ -105,16 +151,21 @@ def summary_table(summary: RunSummary):  # -> rich.table.Table (rich is imported
 
     table = Table(title=f"harnessrl run {summary.run}: policy v{summary.policy_version}")
     # clip: the fraction of generated tokens whose ratio the loss clipped (0 with one update per step)
+    # merge: the step's training tokens / final trajectory tokens (1.00 when every trajectory was one row);
+    # the caption adds the run's rows per rollout and split reasons
     for column in ("step", "rollouts", "succeeded", "reward mean", "reward std", "loss", "grad norm", "clip",
-                   "logprob corr"):
+                   "logprob corr", "merge"):
         table.add_column(column, justify="right")
     for s in summary.steps:
         m = s.metrics
         table.add_row(str(s.step), str(s.rollouts), str(s.succeeded), _fmt(s.reward_mean), _fmt(s.reward_std),
                       _fmt(m.get("loss"), 4), _fmt(m.get("grad_norm"), 3), _fmt(m.get("clip_frac"), 3),
-                      _fmt(m.get("logprob_pearson"), 4))
+                      _fmt(m.get("logprob_pearson"), 4), _fmt(MergeQuality.of([m]).token_ratio, 2))
     totals = ", ".join(f"{state.value} {n}" for state, n in summary.counts.items() if n)
     table.caption = f"rollouts: {totals or 'none yet'}"
+    merge = summary.merge
+    if merge.rows:
+        table.caption += f"\n{merge.line()}"
     return table
 
 
