@@ -14,6 +14,8 @@ then sees it), 409 ``attempt_settled`` naming the attempt and its state when the
 (the proxy keeps it in its spool). ``GET /healthz`` is 503 with a ``reason`` while captured items reach
 neither the store nor the spool.
 
+In train mode a request with ``n`` above 1 is refused (400, ``param: "n"``; see ``refuse_several_choices``).
+
 Errors the proxy raises itself are 4xx in OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``;
 an upstream's error answer is passed through with its status and body and recorded as an error call.
 A call whose harness went away before the answer was complete is recorded with status ``aborted`` and HTTP
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -40,7 +43,7 @@ from harnessrl.store.states import AttemptSettled, IllegalTransition
 
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
-from .continuity import TokenContinuity
+from .continuity import DerenderFailed, TokenContinuity
 from .metrics import ProxyMetrics
 from .pause import PausedError, PauseGate
 from .protocol import (
@@ -114,6 +117,28 @@ async def read_json(request: web.Request) -> Any:
         return loads(raw)
     except ValueError as exc:
         raise RequestError(f"request body is not valid JSON ({exc})", code="invalid_json") from None
+
+
+def refuse_several_choices(body: dict[str, Any]) -> None:
+    """Train mode takes one sample per call: ``n`` above 1 is refused (400, param ``n``), never half-captured.
+
+    Why refused rather than stored as ``n`` calls: a stored call is one prompt and one completion, and the
+    row builder reads two kept calls with the same prompt as a retry (it keeps one, counts the other as
+    ``duplicate``), so the extra choices would be lost again, only later. They would also all share the
+    rollout's single reward, while the harness goes on from one of them. Several samples of one task are
+    what a group is: ``harness.groupSize`` rollouts, each with its own reward and advantage.
+    """
+    n = body.get("n")
+    if n is None or n == 1:
+        return
+    raise RequestError(
+        f"'n' is {n}: in train mode every call is one sample of the policy, and the trace store keeps one "
+        "completion per call (extra choices would be lost to training). Send n=1 (or leave it out) and "
+        "sample several times with several calls, or run several rollouts of the task (harness.groupSize); "
+        "a proxy in --mode observe passes n through",
+        param="n",
+        code="n_not_supported",
+    )
 
 
 @dataclass
@@ -295,8 +320,8 @@ class CaptureProxy:
         The response is stored as the harness got it: the token ids and log-probs the proxy asked for on its
         own behalf live once, in the record's arrays (DESIGN.md section 4), so the store neither keeps nor
         checks a second copy (on a 200-token chat answer, checking the log-prob entries before cutting them
-        out cost more CPU than the rest of the capture). An answer with several choices is kept whole: the
-        arrays hold choice 0 only.
+        out cost more CPU than the rest of the capture). An answer with several choices (observe mode only:
+        train mode refuses ``n`` > 1) is kept whole; the arrays hold choice 0 only.
         """
         who = x.who
         choices = response.get("choices") if response is not None else None
@@ -346,6 +371,8 @@ class CaptureProxy:
         body = validate_request(route, await read_json(request))
         wants = client_wants(route, body)
         cfg = self.config
+        if cfg.train:
+            refuse_several_choices(body)
         await self._wait_for_room()
         try:
             async with self.gate.admit():
@@ -353,14 +380,14 @@ class CaptureProxy:
                     plan = await self.continuity.plan(
                         who,
                         body,
-                        self.ledger.last_call(who.key),
+                        self.ledger.recent_calls(who.key),
                         cfg.model_name,
                         cfg.forced_sampling if cfg.train else {},
                     )
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
                         x = Exchange(
-                            route, who, body, wants, plan.payload, "/v1/completions", started, convert,
+                            route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt,
                         )  # fmt: skip
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
@@ -412,6 +439,11 @@ class CaptureProxy:
             )
         if x.convert is not None:
             data = x.convert(data)
+            if inspect.isawaitable(data):  # continuity's tool calls: the server's derender reads the answer
+                try:
+                    data = await data
+                except DerenderFailed as exc:
+                    return self._bad_upstream(x, answer.url, answer.policy_version, str(exc))
         tokens = tokens_from_response(x.route, data)
         out = dumps(strip_unrequested(data, x.wants))
         self.capture(
