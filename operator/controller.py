@@ -228,7 +228,8 @@ class RunController:
             self._connect_store(observed)
             self._apply_children(generation)
             self._observe_workloads(observed)
-            self._progress(observed, status)
+            with self.backend.parallel_calls():
+                self._progress(observed, status)
         except RunProblem as problem:
             if problem.terminal:
                 return self._fail(observed, problem.reason, str(problem))
@@ -240,7 +241,8 @@ class RunController:
     def stop(self, reason: str) -> None:
         """Stop scheduling: cancel active attempts and delete their pods (finalizer, suspend, end)."""
         if self.scheduler is not None:
-            self.scheduler.stop_all(reason)
+            with self.backend.parallel_calls():
+                self.scheduler.stop_all(reason)
 
     # --- steps ----------------------------------------------------------------------------------------------
 

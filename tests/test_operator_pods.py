@@ -4,6 +4,7 @@ scenarios in test_operator_cluster.py run it against the real control plane)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -259,3 +260,50 @@ def test_a_refused_pod_fails_its_attempt_with_the_reason() -> None:
     [ended] = b.exits()
     assert ended.exit_code is None and ended.detail.startswith("PodRejected: Forbidden: ")
     assert "exceeded quota" in ended.detail
+
+
+class MeetingApi(RecordingApi):
+    """Each create waits until ``parties`` creates are in flight at once: only concurrent calls get through."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.meeting = threading.Barrier(parties, timeout=60)
+
+    def create(self, namespace: str, pod: dict[str, Any]) -> None:
+        self.meeting.wait()
+        super().create(namespace, pod)
+
+
+def test_a_pass_creates_its_pods_concurrently_and_waits_for_all_of_them() -> None:
+    api = MeetingApi(parties=4)
+    b = backend(api, [])
+    with b.parallel_calls():
+        for attempt in range(4):
+            b.launch(launch(attempt))
+    # One create after the other would have broken the barrier (each refused after 60 s); leaving the block
+    # waited for all four.
+    assert sorted(pod["metadata"]["name"] for pod in api.created) == [f"r1-a{i}" for i in range(4)]
+    assert b.exits() == []
+
+
+class FailingDeleteApi(RecordingApi):
+    def delete(self, namespace: str, name: str, grace_seconds: int) -> None:
+        if name == "r1-a0":
+            raise ApiException(status=500, reason="Internal Server Error")
+        super().delete(namespace, name, grace_seconds)
+
+
+def test_a_failed_call_of_the_pass_is_raised_after_the_others_finished() -> None:
+    api, pods = FailingDeleteApi(), []
+    b = backend(api, pods)
+    pods += [
+        summarize_pod(pod("Succeeded", harness={"terminated": {"exitCode": 0}}, attempt=attempt))
+        for attempt in range(3)
+    ]
+    with pytest.raises(ApiException, match="Internal Server Error"), b.parallel_calls():
+        for attempt in range(3):
+            b.release("r1", attempt)
+        with b.parallel_calls():  # nested, as when a pass stops the run: the outer block still waits
+            b.launch(launch(9))
+    assert sorted(api.deleted) == [("r1-a1", 0), ("r1-a2", 0)]
+    assert [p["metadata"]["name"] for p in api.created] == ["r1-a9"]

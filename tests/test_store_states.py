@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from harnessrl.store import IllegalTransition, NotFound, RolloutState, TraceStore, check_transition, is_legal
-from harnessrl.store.states import LEGAL_MOVES
+from harnessrl.store.states import LEGAL_MOVES, Move
 
 S = RolloutState
 EXPECTED_LEGAL = {
@@ -194,3 +194,38 @@ def test_unknown_attempt_is_reported(store: TraceStore) -> None:
         store.try_transition("nope", 0, S.QUEUED, S.RUNNING)
     with pytest.raises(NotFound):
         store.new_attempt("nope")
+
+
+def test_many_moves_in_one_transaction_apply_only_where_the_state_still_matches(store: TraceStore) -> None:
+    """try_transitions: each move is its own compare-and-set; the ones that lost or name no attempt are left."""
+    queued, running, missing = _rollout(store, "q"), _rollout(store, "r"), "missing"
+    store.transition(running, 0, S.RUNNING, policy_version=1)
+    moved = store.try_transitions(
+        [
+            Move(queued, 0, S.QUEUED, S.RUNNING, policy_version=3),
+            Move(running, 0, S.QUEUED, S.RUNNING),  # lost: it is running already
+            Move(missing, 0, S.QUEUED, S.RUNNING),
+        ]
+    )
+    assert moved == {(queued, 0)}
+    claimed = store.get_attempt(queued, 0)
+    assert (claimed.state, claimed.policy_version_start) == (S.RUNNING, 3)
+    assert store.get_attempt(running, 0).policy_version_start == 1
+    assert store.try_transitions([Move(running, 0, S.RUNNING, S.FAILED, "NoReward")]) == {(running, 0)}
+    assert (store.get_attempt(running, 0).state, store.get_attempt(running, 0).reason) == (S.FAILED, "NoReward")
+
+
+def test_an_illegal_move_among_many_changes_nothing(store: TraceStore) -> None:
+    first, second = _rollout(store, "a"), _rollout(store, "b")
+    with pytest.raises(IllegalTransition, match="queued -> succeeded"):
+        store.try_transitions([Move(first, 0, S.QUEUED, S.RUNNING), Move(second, 0, S.QUEUED, S.SUCCEEDED)])
+    assert store.get_attempt(first, 0).state is S.QUEUED
+
+
+def test_attempts_are_read_in_bulk_and_missing_keys_are_absent(store: TraceStore) -> None:
+    ids = [_rollout(store, f"bulk{i}") for i in range(3)]
+    store.transition(ids[1], 0, S.RUNNING)
+    found = store.get_attempts([(ids[0], 0), (ids[1], 0), (ids[1], 5), ("nope", 0)])
+    assert sorted(found) == [(ids[0], 0), (ids[1], 0)]
+    assert found[(ids[1], 0)] == store.get_attempt(ids[1], 0)
+    assert found[(ids[0], 0)].state is S.QUEUED

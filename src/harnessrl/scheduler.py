@@ -25,6 +25,7 @@ from sqlalchemy import func, select
 from harnessrl.spec.models import TrainingRunSpec
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
 from harnessrl.store.schema import Rollout
+from harnessrl.store.states import Move
 
 log = logging.getLogger(__name__)
 
@@ -163,13 +164,15 @@ class RolloutScheduler:
 
     def stop_all(self, reason: str = "Cancelled: the run is stopping") -> int:
         """Stop every live harness and cancel every active attempt (used on shutdown and suspend)."""
-        cancelled = 0
-        for attempt in self.store.list_attempts(self.settings.run, states=ACTIVE):
-            key = (attempt.rollout_id, attempt.attempt)
+        active = self.store.list_attempts(self.settings.run, states=ACTIVE)
+        for attempt in active:
             if attempt.state is RolloutState.RUNNING:
-                self.backend.stop(*key, reason)
-            if self.store.try_transition(*key, attempt.state, RolloutState.CANCELLED, reason):
-                cancelled += 1
+                self.backend.stop(attempt.rollout_id, attempt.attempt, reason)
+        cancelled = len(
+            self.store.try_transitions(
+                [Move(a.rollout_id, a.attempt, a.state, RolloutState.CANCELLED, reason) for a in active]
+            )
+        )
         for ended in self.backend.exits():
             self.backend.release(ended.rollout_id, ended.attempt)
         self._launched_at.clear()
@@ -178,15 +181,24 @@ class RolloutScheduler:
     # --- steps ----------------------------------------------------------------------------------------------
 
     def _settle_exits(self, status: SchedulerStatus) -> None:
-        for ended in self.backend.exits():
-            key = (ended.rollout_id, ended.attempt)
+        # One read and one transaction for every harness that ended since the last pass, however many.
+        ended = self.backend.exits()
+        if not ended:
+            return
+        attempts = self.store.get_attempts((exit_.rollout_id, exit_.attempt) for exit_ in ended)
+        moves = []
+        for exit_ in ended:
+            key = (exit_.rollout_id, exit_.attempt)
             self._launched_at.pop(key, None)
-            attempt = self.store.get_attempt(*key)
-            if attempt.state is RolloutState.RUNNING:
-                state, reason = outcome(attempt, ended)
-                if self.store.try_transition(*key, RolloutState.RUNNING, state, reason):
-                    status.finished += 1
-            self.backend.release(*key)
+            attempt = attempts.get(key)
+            if attempt is None:
+                log.warning("a harness of rollout %s attempt %d ended but the store has no such attempt", *key)
+            elif attempt.state is RolloutState.RUNNING:
+                state, reason = outcome(attempt, exit_)
+                moves.append(Move(*key, RolloutState.RUNNING, state, reason))
+        status.finished += len(self.store.try_transitions(moves))
+        for exit_ in ended:
+            self.backend.release(exit_.rollout_id, exit_.attempt)
 
     def _enforce_deadlines(self, active: list[AttemptRecord], status: SchedulerStatus) -> None:
         now = self.clock()
@@ -249,12 +261,19 @@ class RolloutScheduler:
             free = min(free, budget)
         if free <= 0:
             return
-        for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))[:free]:
+        queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))[:free]
+        # Claim first (compare-and-set, all in one transaction), launch second: two schedulers never launch
+        # the same attempt.
+        claimed = self.store.try_transitions(
+            [
+                Move(attempt.rollout_id, attempt.attempt, RolloutState.QUEUED, RolloutState.RUNNING,
+                     policy_version=policy_version)
+                for attempt in queued
+            ]
+        )
+        for attempt in queued:
             key = (attempt.rollout_id, attempt.attempt)
-            # Claim first (compare-and-set), launch second: two schedulers never launch the same attempt.
-            if not self.store.try_transition(
-                *key, RolloutState.QUEUED, RolloutState.RUNNING, policy_version=policy_version
-            ):
+            if key not in claimed:
                 continue
             assert attempt.task_id is not None  # scheduler-created rollouts always have a task
             self._launched_at[key] = self.clock()

@@ -7,6 +7,8 @@ past it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from harnessrl.store.records import RolloutState
 
 S = RolloutState
@@ -62,3 +64,24 @@ def check_transition(from_state: RolloutState, to_state: RolloutState, subject: 
     """Raise ``IllegalTransition`` unless ``from_state -> to_state`` is a legal move."""
     if not is_legal(from_state, to_state):
         raise IllegalTransition(from_state, to_state, subject)
+
+
+@dataclass(frozen=True)
+class Move:
+    """One compare-and-set move ``expected -> to`` of an attempt, for ``TraceStore.try_transitions``.
+
+    ``policy_version`` is recorded as the version the attempt started under (moves to running)."""
+
+    rollout_id: str
+    attempt: int
+    expected: RolloutState
+    to: RolloutState
+    reason: str | None = None
+    policy_version: int | None = None
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.rollout_id, self.attempt
+
+    def check(self) -> None:
+        check_transition(self.expected, self.to, f"rollout {self.rollout_id} attempt {self.attempt}")
