@@ -9,6 +9,12 @@ watch event lags), and must not be declared lost in that window. A restarted sch
 Async RL bound: rollouts generated under policy version v are only trained on while the learner is at most
 ``max_staleness`` versions ahead, so the scheduler keeps at most ``(max_staleness + 1) * tasks_per_step``
 groups outstanding (created but not yet consumed by a learner step). More would only be thrown away.
+
+Evaluation (``spec.evaluation``) is a second rollout kind of the same loop: when the serving policy version
+reaches a multiple of ``everySteps`` (and at version 0 with ``atStart``), the scheduler creates one round of
+evaluation rollouts for that version (``samplesPerTask`` per held-out task), launched before queued training
+rollouts so the version they score is still the one serving. They are stored with their kind and the version
+they evaluate, never claimed by the learner, and not counted against the staleness bound.
 """
 
 from __future__ import annotations
@@ -22,14 +28,34 @@ from typing import Any, Protocol
 
 from sqlalchemy import func, select
 
+from harnessrl.rollout_ids import evaluation_rollout_id, group_of, is_evaluation, training_rollout_id
 from harnessrl.spec.models import TrainingRunSpec
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
-from harnessrl.store.schema import Rollout
+from harnessrl.store.evaluations import evaluated_versions
+from harnessrl.store.schema import TRAIN, Rollout
 from harnessrl.store.states import Move
 
 log = logging.getLogger(__name__)
 
 ACTIVE = (RolloutState.QUEUED, RolloutState.RUNNING)
+EVALUATION_TASK_PREFIX = "eval:"  # stored evaluation task ids: never the same row as a training task's
+
+
+@dataclass(frozen=True)
+class EvaluationSchedule:
+    """When to evaluate and how many rollouts per held-out task (``spec.evaluation``)."""
+
+    every_steps: int
+    at_start: bool
+    samples_per_task: int
+
+    def due(self, version: int, rounds: set[int]) -> bool:
+        """Whether serving ``version`` calls for a new round: the newest multiple of ``every_steps`` at or
+        below it has no round yet (version 0 only with ``at_start``, and only while it is the one serving)."""
+        multiple = version - version % self.every_steps
+        if multiple == 0:
+            return self.at_start and version == 0 and 0 not in rounds
+        return not any(multiple <= done <= version for done in rounds)
 
 
 @dataclass(frozen=True)
@@ -45,6 +71,7 @@ class SchedulerSettings:
     max_attempts: int = 1
     seed: int = 0
     lost_grace_s: float = 30.0  # how long a launched harness may stay invisible to the backend
+    evaluation: EvaluationSchedule | None = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "concurrency", "tasks_per_step", "max_attempts"):
@@ -56,11 +83,14 @@ class SchedulerSettings:
     @classmethod
     def from_spec(cls, run: str, spec: TrainingRunSpec) -> SchedulerSettings:
         """The settings of a TrainingRun's spec: the local runner and the operator read them the same way."""
-        harness, learner = spec.harness, spec.learner
+        harness, learner, evaluation = spec.harness, spec.learner, spec.evaluation
         return cls(
             run=run, group_size=harness.group_size, concurrency=harness.concurrency,
             timeout_s=float(harness.timeout_seconds), tasks_per_step=learner.tasks_per_step,
             max_staleness=learner.max_staleness, max_attempts=harness.max_attempts,
+            evaluation=None if evaluation is None else EvaluationSchedule(
+                evaluation.every_steps, evaluation.at_start, evaluation.samples_per_task
+            ),
         )
 
     @property
@@ -125,6 +155,7 @@ class SchedulerStatus:
     retried: int = 0
     groups_created: int = 0
     outstanding_groups: int = 0
+    evaluation_rollouts_created: int = 0
 
 
 class RolloutScheduler:
@@ -137,30 +168,50 @@ class RolloutScheduler:
         backend: RolloutBackend,
         tasks: Sequence[dict[str, Any]],
         clock: Callable[[], float] = time.time,
+        evaluation_tasks: Sequence[dict[str, Any]] = (),
     ) -> None:
         if not tasks:
             raise ValueError("the run has no tasks: give harness.tasks at least one task")
+        if settings.evaluation is not None and not evaluation_tasks:
+            raise ValueError("the run has no evaluation tasks: give spec.evaluation.tasks at least one task")
         self.store = store
         self.settings = settings
         self.backend = backend
         self.clock = clock
         self.task_ids = store.add_tasks(settings.run, list(tasks))
         self._tasks = {tid: dict(task) for tid, task in zip(self.task_ids, tasks, strict=True)}
+        # Evaluation tasks are stored under prefixed ids; the harness gets each task exactly as written.
+        stored = [{**task, "id": f"{EVALUATION_TASK_PREFIX}{task.get('id', index)}"}
+                  for index, task in enumerate(evaluation_tasks)]
+        self.evaluation_task_ids = store.add_tasks(settings.run, stored) if stored else []
+        self._tasks.update({tid: dict(task) for tid, task in zip(self.evaluation_task_ids, evaluation_tasks,
+                                                                  strict=True)})
         self._launched_at: dict[tuple[str, int], float] = {}  # expectations: launched, maybe not yet visible
 
     # --- the loop body --------------------------------------------------------------------------------------
 
-    def reconcile(self, policy_version: int) -> SchedulerStatus:
-        """One level-based pass; safe to call at any rate and after any crash."""
+    def reconcile(self, policy_version: int, *, finishing: bool = False) -> SchedulerStatus:
+        """One level-based pass; safe to call at any rate and after any crash.
+
+        ``finishing``: training is over (the learner made its last step); no new training rollouts start, and
+        the final ``policy_version`` gets an evaluation round if it has none (see :meth:`evaluation_pending`).
+        """
         status = SchedulerStatus()
         self._settle_exits(status)
         active = self.store.list_attempts(self.settings.run, states=ACTIVE)
         self._enforce_deadlines(active, status)
         self._retry_failures(status)
-        self._create_groups(status)
-        self._launch_queued(policy_version, status)
+        if not finishing:
+            self._create_groups(status)
+        self._create_evaluation(policy_version, status, finishing)
+        self._launch_queued(policy_version, status, evaluation_only=finishing)
         status.counts = self.store.count_attempts(self.settings.run)
         return status
+
+    def evaluation_pending(self) -> bool:
+        """Whether an evaluation rollout is queued or running (what a finishing run waits for)."""
+        return any(is_evaluation(attempt.rollout_id)
+                   for attempt in self.store.list_attempts(self.settings.run, states=ACTIVE))
 
     def stop_all(self, reason: str = "Cancelled: the run is stopping") -> int:
         """Stop every live harness and cancel every active attempt (used on shutdown and suspend)."""
@@ -253,7 +304,22 @@ class RolloutScheduler:
             status.groups_created += 1
         status.outstanding_groups = outstanding
 
-    def _launch_queued(self, policy_version: int, status: SchedulerStatus) -> None:
+    def _create_evaluation(self, policy_version: int, status: SchedulerStatus, finishing: bool) -> None:
+        schedule = self.settings.evaluation
+        if schedule is None:
+            return
+        rounds = evaluated_versions(self.store, self.settings.run)
+        due = policy_version not in rounds if finishing else schedule.due(policy_version, rounds)
+        if not due:
+            return
+        for number, task_id in enumerate(self.evaluation_task_ids):
+            for index in range(schedule.samples_per_task):
+                rollout_id = evaluation_rollout_id(self.settings.run, policy_version, number, index)
+                self.store.create_rollout(self.settings.run, task_id, index, rollout_id=rollout_id,
+                                          evaluated_version=policy_version)
+                status.evaluation_rollouts_created += 1
+
+    def _launch_queued(self, policy_version: int, status: SchedulerStatus, evaluation_only: bool = False) -> None:
         running = self.store.count_attempts(self.settings.run)[RolloutState.RUNNING]
         free = self.settings.concurrency - running
         budget = self.backend.launch_budget()
@@ -261,7 +327,13 @@ class RolloutScheduler:
             free = min(free, budget)
         if free <= 0:
             return
-        queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))[:free]
+        queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))
+        # Evaluations first (a stable sort keeps creation order within each kind): the version they score
+        # is the one serving now.
+        queued.sort(key=lambda attempt: not is_evaluation(attempt.rollout_id))
+        if evaluation_only:
+            queued = [attempt for attempt in queued if is_evaluation(attempt.rollout_id)]
+        queued = queued[:free]
         # Claim first (compare-and-set, all in one transaction), launch second: two schedulers never launch
         # the same attempt.
         claimed = self.store.try_transitions(
@@ -295,7 +367,9 @@ class RolloutScheduler:
     def _groups_created(self) -> int:
         with self.store.engine.connect() as conn:
             rollouts = conn.scalar(
-                select(func.count()).select_from(Rollout).where(Rollout.run == self.settings.run, Rollout.task_id.is_not(None))
+                select(func.count()).select_from(Rollout).where(
+                    Rollout.run == self.settings.run, Rollout.task_id.is_not(None), Rollout.kind == TRAIN
+                )
             )
         return -(-int(rollouts or 0) // self.settings.group_size)
 
@@ -320,12 +394,7 @@ class RolloutScheduler:
 
     def _rollout_id(self, group: int, index: int) -> str:
         # Deterministic: re-creating a group after a crash mid-creation is a no-op in the store.
-        return f"{self.settings.run}-g{group:06d}-r{index:03d}"
-
-
-def group_of(rollout_id: str) -> str:
-    """The group part of a scheduler-made rollout id (``<run>-g<group>-r<index>``)."""
-    return rollout_id.rsplit("-r", 1)[0]
+        return training_rollout_id(self.settings.run, group, index)
 
 
 def outcome(attempt: AttemptRecord, ended: HarnessExit) -> tuple[RolloutState, str | None]:

@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store.engine import WRITE_OPTION
 from harnessrl.store.records import RolloutState, utcnow
-from harnessrl.store.schema import LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
+from harnessrl.store.schema import TRAIN, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
 from harnessrl.store.trace_store import TraceStore
 
 TERMINAL_STATES = tuple(s.value for s in RolloutState if s.terminal)
@@ -134,7 +134,8 @@ class LearnerLedger:
         A task's group is its rollouts whose latest attempt no step consumed yet; it is complete when it has
         at least ``group_size`` of them and every one is in a terminal state (succeeded, failed, timed out,
         cancelled: the advantage code decides which train). Groups are ordered by when their last member
-        finished. Rollouts without a task (made by a standalone proxy) have no group and are never claimed.
+        finished. Rollouts without a task (made by a standalone proxy) have no group and are never claimed, nor
+        are evaluation rollouts (``rollouts.kind``): an evaluation is never trained on.
         A failed or timed-out attempt with attempts left (``attempt + 1 < max_attempts``) is not final: the
         scheduler is about to queue its retry, and claiming the group now would train without it.
         """
@@ -156,7 +157,7 @@ class LearnerLedger:
                   & (latest.c.attempt == RolloutAttempt.attempt))
             .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
             .where(RolloutAttempt.run == self.run, RolloutAttempt.consumed_by_step.is_(None),
-                   Rollout.task_id.is_not(None))
+                   Rollout.task_id.is_not(None), Rollout.kind == TRAIN)
         )
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()

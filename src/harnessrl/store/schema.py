@@ -44,6 +44,8 @@ NAMING_CONVENTION = {
 
 ID = String(128)  # run names, task, rollout and call ids: Kubernetes names (<= 63/253) or UUIDs fit
 STATE_VALUES = ", ".join(f"'{s.value}'" for s in RolloutState)
+TRAIN, EVALUATION = "train", "evaluation"  # rollouts.kind
+KIND_VALUES = f"'{TRAIN}', '{EVALUATION}'"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -105,13 +107,16 @@ class Task(Base):
 class Rollout(Base):
     """One member of a task's group; its attempts are the retries.
 
-    ``task_id`` is NULL for rollouts a standalone proxy created on first sight of a call.
+    ``task_id`` is NULL for rollouts a standalone proxy created on first sight of a call. ``kind`` is
+    ``evaluation`` for a rollout that scores policy ``evaluated_version`` on a held-out task: never trained on.
     """
 
     __tablename__ = "rollouts"
     __table_args__ = (
         ForeignKeyConstraint(["run", "task_id"], ["tasks.run", "tasks.task_id"]),
+        CheckConstraint(f"kind IN ({KIND_VALUES})", name="kind"),
         Index(None, "run", "task_id"),
+        Index(None, "run", "kind", "evaluated_version"),
     )
 
     rollout_id: Mapped[str] = mapped_column(ID, primary_key=True)
@@ -119,6 +124,8 @@ class Rollout(Base):
     task_id: Mapped[str | None] = mapped_column(ID)
     group_index: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    kind: Mapped[str] = mapped_column(String(16), default=TRAIN, server_default=TRAIN)
+    evaluated_version: Mapped[int | None] = mapped_column(Integer)
 
 
 class LearnerStep(Base):

@@ -24,7 +24,16 @@ from harnessrl.store.call_rows import CallRebuilder, PreparedCall, check_id, sto
 from harnessrl.store.call_writer import prepare_batch, write_calls
 from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
 from harnessrl.store.records import AttemptRecord, CallRecord, RolloutState, StoredCall, utcnow
-from harnessrl.store.schema import LlmCall, PolicyVersion, Rollout, RolloutAttempt, Run, Task
+from harnessrl.store.schema import (
+    EVALUATION,
+    TRAIN,
+    LlmCall,
+    PolicyVersion,
+    Rollout,
+    RolloutAttempt,
+    Run,
+    Task,
+)
 from harnessrl.store.statements import (
     NotFound,
     attempt_row,
@@ -132,8 +141,11 @@ class TraceStore:
 
     # --- rollouts and attempts -----------------------------------------------------------------------------
 
-    def create_rollout(self, run: str, task_id: str, group_index: int, rollout_id: str | None = None) -> str:
-        """Create a rollout with attempt 0 queued; creating the same ``rollout_id`` again is a no-op."""
+    def create_rollout(self, run: str, task_id: str, group_index: int, rollout_id: str | None = None,
+                       evaluated_version: int | None = None) -> str:
+        """Create a rollout with attempt 0 queued; creating the same ``rollout_id`` again is a no-op.
+
+        With ``evaluated_version`` it is an evaluation rollout of that policy version (never trained on)."""
         rollout_id = check_id(rollout_id or uuid.uuid4().hex, "rollout_id")
         with self._writer.begin() as conn:
             if conn.scalar(select(Task.task_id).where(Task.run == run, Task.task_id == task_id)) is None:
@@ -148,15 +160,17 @@ class TraceStore:
                         "task_id": task_id,
                         "group_index": group_index,
                         "created_at": now,
+                        "kind": TRAIN if evaluated_version is None else EVALUATION,
+                        "evaluated_version": evaluated_version,
                     }
                 ],
             )
             stored = conn.execute(
-                select(Rollout.run, Rollout.task_id, Rollout.group_index).where(
+                select(Rollout.run, Rollout.task_id, Rollout.group_index, Rollout.evaluated_version).where(
                     Rollout.rollout_id == rollout_id
                 )
             ).one()
-            if tuple(stored) != (run, task_id, group_index):
+            if tuple(stored) != (run, task_id, group_index, evaluated_version):
                 raise ValueError(
                     f"rollout {rollout_id!r} already exists for run {stored.run!r}, task {stored.task_id!r}, "
                     f"group index {stored.group_index}; pick another rollout_id"
@@ -220,7 +234,6 @@ class TraceStore:
                 if _apply_move(conn, move, now):
                     moved.add(move.key)
         return moved
-
 
     def transition(
         self,
@@ -399,9 +412,12 @@ class TraceStore:
         return latest
 
     def unconsumed_rollout_ids(self, run: str) -> set[str]:
-        """Rollouts with an attempt no learner step consumed yet (one column: the scheduler asks every pass)."""
-        query = select(RolloutAttempt.rollout_id).where(
-            RolloutAttempt.run == run, RolloutAttempt.consumed_by_step.is_(None)
+        """Training rollouts with an attempt no learner step consumed yet (the scheduler asks every pass;
+        evaluation rollouts are never consumed, so they are left out)."""
+        query = (
+            select(RolloutAttempt.rollout_id)
+            .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
+            .where(RolloutAttempt.run == run, RolloutAttempt.consumed_by_step.is_(None), Rollout.kind == TRAIN)
         )
         with self._engine.connect() as conn:
             return set(conn.scalars(query))
