@@ -40,6 +40,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
+from .call_log import log_call
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
 from .continuity import TokenContinuity
@@ -344,6 +345,7 @@ class CaptureProxy:
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
         self.metrics.calls.labels(x.route, status.value).inc()
+        log_call(record)
         self.metrics.prompt_tokens.inc(len(tokens.prompt_token_ids))
         self.metrics.completion_tokens.inc(len(tokens.completion_token_ids))
 

@@ -20,6 +20,25 @@ from .config import ConfigError, ProxyConfig, load_config
 
 log = logging.getLogger("harnessrl.proxy")
 
+# Libraries whose INFO lines say nothing a proxy user needs (alembic alone logs seven plugin lines at start);
+# they log at WARNING and above whatever --log-level says.
+QUIET_LIBRARIES = ("alembic", "sqlalchemy", "aiohttp", "asyncio", "httpx", "httpcore", "urllib3")
+
+OBSERVE_NOTICE = (
+    "observe mode: requests go upstream unchanged and each call is stored with its request and response only: "
+    "no token ids, no log-probs and zero token counts, so no call can be trained on (--mode train keeps them)"
+)
+
+
+def configure_logging(level: str, log_calls: bool) -> None:
+    """Our own lines at ``level``, one line per call unless ``log_calls`` is off, libraries at WARNING."""
+    from .call_log import CALL_LOGGER
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
+    logging.getLogger(CALL_LOGGER).setLevel(logging.NOTSET if log_calls else logging.WARNING)
+
 # The writer thread runs the store's (pure Python) encoding while the event loop serves requests; a thread
 # that wants the GIL otherwise waits up to 5 ms for the other to yield it. 0.5 ms keeps that wait below the
 # proxy's own per-call cost (measured: p50 added latency at concurrency 1, bench/proxy_overhead.py).
@@ -55,6 +74,8 @@ async def _serve(config: ProxyConfig) -> None:
             config.proxy_mode,
             ", ".join(config.upstreams),
         )
+        if not config.train:
+            log.warning(OBSERVE_NOTICE)
         await stop.wait()
         log.info("stopping: no new connections, finishing in-flight calls, flushing captured calls")
         await runner.cleanup()
@@ -129,6 +150,11 @@ def _run(main: object) -> None:
     metavar="JSON",
     help="Sampling fields forced in train mode, e.g. '{\"temperature\": 1.0}'. [env HARNESSRL_SAMPLING]",
 )
+@click.option(
+    "--evaluation-sampling",
+    metavar="JSON",
+    help="Sampling fields for evaluation rollouts' calls, over --sampling. [env HARNESSRL_EVALUATION_SAMPLING]",
+)
 @click.option("--policy-version", type=int, help="Policy version at start. [env HARNESSRL_POLICY_VERSION]")
 @click.option(
     "--spool",
@@ -161,9 +187,16 @@ def _run(main: object) -> None:
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def proxy_command(log_level: str, **flags: object) -> None:
+@click.option(
+    "--log-calls/--no-log-calls",
+    default=True,
+    show_default=True,
+    envvar="HARNESSRL_LOG_CALLS",
+    help="One INFO line per LLM call: rollout, status, tokens, latency. [env HARNESSRL_LOG_CALLS]",
+)
+def proxy_command(log_level: str, log_calls: bool, **flags: object) -> None:
     """OpenAI-compatible capture proxy: record every LLM call token-exactly into the trace store."""
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(log_level, log_calls)
     if not flags.get("upstreams"):
         flags["upstreams"] = None
     else:
