@@ -383,7 +383,7 @@ class CaptureProxy:
                         body,
                         self.ledger.last_call(who.key),
                         cfg.model_name,
-                        cfg.forced_sampling if cfg.train else {},
+                        cfg.sampling_for(who.rollout_id) if cfg.train else {},
                     )
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
@@ -394,7 +394,7 @@ class CaptureProxy:
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
                 payload = dumps(
                     upstream_request(
-                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.forced_sampling
+                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling_for(who.rollout_id)
                     )
                 )
                 x = Exchange(route, who, body, wants, payload, ROUTE_PATHS[route], started)

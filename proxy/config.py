@@ -28,6 +28,9 @@ HARNESSRL_ADMIN                    ``false``: no ``/admin/*`` routes (a sidecar:
 HARNESSRL_MODEL_NAME               model name sent upstream whatever the harness asks for (default: as sent)
 HARNESSRL_SAMPLING                 JSON object of sampling fields forced on every call in train mode,
                                    e.g. ``{"temperature": 1.0, "top_p": 1.0}``
+HARNESSRL_EVALUATION_SAMPLING      JSON object of sampling fields for evaluation rollouts (``spec.evaluation``'s
+                                   temperature and topP), over HARNESSRL_SAMPLING; a rollout is an evaluation
+                                   when its id says so (``harnessrl.rollout_ids``). Unset: as training calls
 HARNESSRL_TOKEN_CONTINUITY         chat calls that extend the previous call are sent as token ids (see
                                    ``continuity.py``); default: on in train mode
 HARNESSRL_UPSTREAM_API_KEY         bearer token for the upstreams (vLLM ``--api-key``); default none
@@ -75,6 +78,7 @@ from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from harnessrl.replica_targets import DNS_SCHEME, parse_dns_target
+from harnessrl.rollout_ids import is_evaluation
 from harnessrl.spec.models import Pause, Proxy
 
 MIB = 1024 * 1024
@@ -138,6 +142,7 @@ class ProxyConfig(BaseSettings):
     reward_token: str | None = Field(default=None, min_length=16, repr=False)
     model_name: str | None = None
     sampling: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
+    evaluation_sampling: Annotated[dict[str, Any], NoDecode] = Field(default_factory=dict)
     token_continuity: bool | None = None
     upstream_api_key: str | None = None
     upstream_retries: int = Field(default=3, ge=0)
@@ -184,7 +189,7 @@ class ProxyConfig(BaseSettings):
             return urls
         return value
 
-    @field_validator("sampling", mode="before")
+    @field_validator("sampling", "evaluation_sampling", mode="before")
     @classmethod
     def _parse_sampling(cls, value: Any) -> Any:
         if isinstance(value, str):
@@ -204,6 +209,13 @@ class ProxyConfig(BaseSettings):
     def forced_sampling(self) -> dict[str, Any]:
         """What train mode sets on every call: the neutral values above, then the run's ``sampling``."""
         return {**NEUTRAL_SAMPLING, **self.sampling}
+
+    def sampling_for(self, rollout_id: str | None) -> dict[str, Any]:
+        """What train mode sets on a call of ``rollout_id``: an evaluation rollout's calls are sampled with
+        the evaluation's settings (greedy, say), every other call with the run's."""
+        if self.evaluation_sampling and is_evaluation(rollout_id):
+            return {**self.forced_sampling, **self.evaluation_sampling}
+        return self.forced_sampling
 
     @property
     def continuity_enabled(self) -> bool:
