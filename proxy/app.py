@@ -340,6 +340,7 @@ class CaptureProxy:
             status=status,
             http_status=http_status,
         )
+        record.sampling = self.config.sampling_sent(who.rollout_id, x.body)
         self.ledger.remember(who.key, record, x.rendered)
         item = CallItem(record, size=len(x.payload))
         self.writer.put(item)

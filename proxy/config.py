@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -216,6 +217,14 @@ class ProxyConfig(BaseSettings):
         if self.evaluation_sampling and is_evaluation(rollout_id):
             return {**self.forced_sampling, **self.evaluation_sampling}
         return self.forced_sampling
+
+    def sampling_sent(self, rollout_id: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
+        """The sampling a call went upstream with, stored with it (``llm_calls.sampling``): in train mode what
+        :meth:`sampling_for` forced, which replaces every field of ``NEUTRAL_SAMPLING`` the harness set; in
+        observe mode the harness's own values of those fields (one it left out took the server's default)."""
+        if self.train:
+            return dict(self.sampling_for(rollout_id))
+        return {name: body[name] for name in NEUTRAL_SAMPLING if name in body}
 
     @property
     def continuity_enabled(self) -> bool:

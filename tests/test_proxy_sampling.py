@@ -31,3 +31,26 @@ def test_observe_mode_forwards_the_harness_sampling(upstream, make_proxy):  # no
     client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, extra_body=RESHAPING)
     sent = upstream.fake.bodies[-1]
     assert {key: sent.get(key) for key in RESHAPING} == RESHAPING
+
+
+def test_the_stored_call_records_the_sampling_sent_upstream(upstream, make_proxy, store):  # noqa: F811
+    """``llm_calls.sampling`` is what the log-probs were taken under: in train mode the run's sampling and
+    the neutral fields (the harness's own values stay in the stored request); in observe mode the harness's."""
+    train = make_proxy([upstream.url], sampling={"temperature": 0.7, "top_p": 0.9})
+    client = openai.OpenAI(base_url=train.v1, api_key="unused", max_retries=0)
+    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, extra_body=RESHAPING)
+    client.completions.create(model="m", prompt="hi", max_tokens=2, extra_body=RESHAPING)
+    train.flush()
+    calls = store.read_calls("r-1", 0)
+    assert len(calls) == 2
+    for call, sent in zip(calls, list(upstream.fake.bodies)[-2:], strict=True):
+        assert call.sampling == {**NEUTRAL_SAMPLING, "temperature": 0.7, "top_p": 0.9}
+        assert call.sampling == {key: sent.get(key) for key in call.sampling}  # exactly what went upstream
+        assert call.request["top_k"] == 3 and call.request["temperature"] == 1.7  # the harness's own request
+
+    observe = make_proxy([upstream.url], proxy_mode="observe", rollout_id="r-2")
+    client = openai.OpenAI(base_url=observe.v1, api_key="unused", max_retries=0)
+    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, extra_body={"temperature": 0.3})
+    observe.flush()
+    (call,) = store.read_calls("r-2", 0)
+    assert call.sampling == {"temperature": 0.3}
