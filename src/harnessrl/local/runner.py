@@ -40,6 +40,8 @@ from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
 from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.spec.evaluation import evaluation_sampling
+from harnessrl.spec.harness import Tasks
 from harnessrl.spec.kube import EnvVar
 from harnessrl.spec.models import TrainingRun
 from harnessrl.spec.scope import cluster_only_paths
@@ -69,7 +71,11 @@ class LocalRunOptions:
 
 def load_tasks(run: TrainingRun, base: Path) -> list[dict[str, Any]]:
     """The run's tasks as JSON objects ({"id", "data", ...}), from the inline list or a JSONL file."""
-    source = run.spec.harness.tasks
+    return read_tasks(run.spec.harness.tasks, base, "spec.harness.tasks")
+
+
+def read_tasks(source: Tasks, base: Path, field: str) -> list[dict[str, Any]]:
+    """Tasks from one source (harness.tasks or evaluation.tasks, named by ``field`` in every error)."""
     if source.inline is not None:
         return [task.model_dump(mode="json", by_alias=True, exclude_none=True) for task in source.inline]
     if source.file is not None:
@@ -77,7 +83,7 @@ def load_tasks(run: TrainingRun, base: Path) -> list[dict[str, Any]]:
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
-            raise RunError(f"spec.harness.tasks.file.path: cannot read {path} ({exc.strerror})") from None
+            raise RunError(f"{field}.file.path: cannot read {path} ({exc.strerror})") from None
         tasks = []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -92,7 +98,7 @@ def load_tasks(run: TrainingRun, base: Path) -> list[dict[str, Any]]:
         if not tasks:
             raise RunError(f"{path} has no tasks; add one JSON object per line")
         return tasks
-    raise RunError("spec.harness.tasks.configMap is only available on a cluster; locally use file or inline")
+    raise RunError(f"{field}.configMap is only available on a cluster; locally use file or inline")
 
 
 def resolve(base: Path, value: str) -> Path:
@@ -119,6 +125,8 @@ class LocalRun:
                            f"tiny one with `harnessrl tiny-model DIR` and point spec.model.path (or --model) at it")
         self.model_dir = model
         self.tasks = load_tasks(run, self.base)
+        evaluation = self.spec.evaluation
+        self.evaluation_tasks = read_tasks(evaluation.tasks, self.base, "spec.evaluation.tasks") if evaluation else []
         # spec.harness.verifier: only the verifier processes get this token, which the proxy asks for on rewards
         self.reward_token = secrets.token_urlsafe(32) if self.spec.harness.verifier is not None else None
         self._children: dict[str, subprocess.Popen[bytes]] = {}
@@ -166,7 +174,8 @@ class LocalRun:
                 verifier_env_for=lambda launch: self._verifier_contract(proxy_url, launch),
             )
             stack.callback(backend.shutdown)
-            scheduler = RolloutScheduler(store, SchedulerSettings.from_spec(self.name, self.spec), backend, self.tasks)
+            scheduler = RolloutScheduler(store, SchedulerSettings.from_spec(self.name, self.spec), backend, self.tasks,
+                                         evaluation_tasks=self.evaluation_tasks)
             stack.callback(scheduler.stop_all)
             learner = self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
@@ -217,7 +226,23 @@ class LocalRun:
                 if live and learner.poll() is not None:
                     print()
             if learner.poll() is not None:
+                if learner.returncode == 0:
+                    self._finish_evaluation(store, scheduler, stop)
                 return
+            time.sleep(self.options.poll_s)
+
+    def _finish_evaluation(self, store: TraceStore, scheduler: RolloutScheduler, stop: StopSignals) -> None:
+        """The learner made its last step: score the final version (and end a round under way) before the run
+        stops, so the summary ends with the trained policy's evaluation. Ctrl-C stops it as it stops the loop."""
+        if self.spec.evaluation is None:
+            return
+        version = store.latest_policy_version(self.name, synced_only=True) or 0
+        print(f"training done: evaluating policy v{version} on spec.evaluation.tasks ...", flush=True)
+        while stop.received is None:
+            scheduler.reconcile(version, finishing=True)
+            if not scheduler.evaluation_pending():
+                return
+            self._check_services()
             time.sleep(self.options.poll_s)
 
     # --- services -------------------------------------------------------------------------------------------
@@ -253,6 +278,8 @@ class LocalRun:
             "--port", str(port), "--run", self.name, "--model-name", SERVED_MODEL_NAME,
             "--sampling", json.dumps(sampling), "--policy-version", str(version),
         ]
+        if self.spec.evaluation is not None:
+            command += ["--evaluation-sampling", json.dumps(evaluation_sampling(self.spec.evaluation))]
         spool = resolve(self.run_dir, self.spec.proxy.spool_dir) / "proxy.spool"
         # Calls are recorded under the serving replica's weight label, as on a cluster (the learner's sync
         # labels each replica); the proxy's own version, set by the sync too, covers a replica without one.
