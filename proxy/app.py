@@ -3,7 +3,8 @@
 Routes (every ``/v1/...`` route also under ``/rollouts/{rollout}/attempts/{attempt}``, which is how a shared
 gateway learns attribution; a sidecar takes it from its environment):
 
-``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not), ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (streamed or not; the
+Responses API's capture is in ``responses_api.py``), ``GET /v1/models``,
 ``POST /v1/reward``, ``POST /v1/rollout/finish``, ``GET /healthz``, ``GET /metrics``,
 ``POST /admin/pause``, ``POST /admin/resume``, ``GET /admin/state``, ``POST /admin/policy-version``,
 ``POST /admin/flush``.
@@ -40,6 +41,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
+from . import protocol, responses_api
 from .call_log import log_call
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -53,18 +55,12 @@ from .protocol import (
     RequestError,
     Route,
     SSESplitter,
-    StreamAssembler,
     Tokens,
-    client_wants,
     dumps,
     error_body,
     loads,
     parse_sse_event,
     sse_bytes,
-    strip_unrequested,
-    tokens_from_response,
-    upstream_request,
-    validate_request,
 )
 from .spool import Spool
 from .upstreams import UpstreamPool, UpstreamUnavailable
@@ -141,6 +137,11 @@ def refuse_several_choices(body: dict[str, Any]) -> None:
     )
 
 
+def wire(route: str) -> Any:
+    """The module that knows a route's wire shapes: ``responses_api`` for ``/v1/responses``, else ``protocol``."""
+    return responses_api if route == "responses" else protocol
+
+
 @dataclass
 class Exchange:
     """One LLM call on its way through the proxy: what every step from admission to capture needs."""
@@ -204,6 +205,7 @@ class CaptureProxy:
             named = "" if not prefix else "attributed_"
             app.router.add_post(prefix + "/v1/chat/completions", self.chat, name=named + "chat")
             app.router.add_post(prefix + "/v1/completions", self.completions, name=named + "completions")
+            app.router.add_post(prefix + "/v1/responses", self.responses, name=named + "responses")
             app.router.add_get(prefix + "/v1/models", self.models, name=named + "models")
             app.router.add_post(prefix + "/v1/reward", self.reward, name=named + "reward")
             app.router.add_post(prefix + "/v1/rollout/finish", self.finish, name=named + "finish")
@@ -260,7 +262,7 @@ class CaptureProxy:
         if exc.status == 404:
             message = (
                 f"unknown route {request.method} {request.path}: the proxy serves /v1/chat/completions, "
-                "/v1/completions, /v1/models, /v1/reward, /v1/rollout/finish (also under "
+                "/v1/completions, /v1/responses, /v1/models, /v1/reward, /v1/rollout/finish (also under "
                 "/rollouts/{rollout}/attempts/{attempt}), /healthz, /metrics and /admin/*"
             )
             return json_error(404, message, code="not_found")
@@ -326,7 +328,7 @@ class CaptureProxy:
         who = x.who
         choices = response.get("choices") if response is not None else None
         if not isinstance(choices, list) or len(choices) <= 1:
-            response = None if response is None else strip_unrequested(response, x.wants)
+            response = None if response is None else wire(x.route).strip_unrequested(response, x.wants)
         record = build_call_record(
             who=who,
             seq=self.ledger.next_seq(who.key),
@@ -367,11 +369,14 @@ class CaptureProxy:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._llm(request, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._llm(request, "responses")  # type: ignore[arg-type]
+
     async def _llm(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.perf_counter()
         who = self.attribution(request)
-        body = validate_request(route, await read_json(request))
-        wants = client_wants(route, body)
+        body = wire(route).validate_request(route, await read_json(request))
+        wants = wire(route).client_wants(route, body)
         cfg = self.config
         if cfg.train:
             refuse_several_choices(body)
@@ -394,11 +399,11 @@ class CaptureProxy:
                         )  # fmt: skip
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
                 payload = dumps(
-                    upstream_request(
+                    wire(route).upstream_request(
                         route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling_for(who.rollout_id)
                     )
                 )
-                x = Exchange(route, who, body, wants, payload, ROUTE_PATHS[route], started)
+                x = Exchange(route, who, body, wants, payload, ROUTE_PATHS.get(route, responses_api.PATH), started)
                 return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
         except PausedError as exc:
             return json_error(
@@ -441,8 +446,8 @@ class CaptureProxy:
             )
         if x.convert is not None:
             data = x.convert(data)
-        tokens = tokens_from_response(x.route, data)
-        out = dumps(strip_unrequested(data, x.wants))
+        tokens = wire(x.route).tokens_from_response(x.route, data)
+        out = dumps(wire(x.route).strip_unrequested(data, x.wants))
         self.capture(
             x,
             data,
@@ -564,7 +569,8 @@ class CaptureProxy:
         )
         await resp.prepare(request)
         route, wants, convert = x.route, x.wants, x.convert
-        assembler = StreamAssembler(route)
+        shapes = wire(route)
+        assembler = shapes.StreamAssembler(route)
         raw_passthrough = wants.token_ids and wants.logprobs and convert is None
         status, http_status = CallStatus.OK, up.response.status
         error_event: bytes | None = None
@@ -618,7 +624,7 @@ class CaptureProxy:
                     else:
                         for chunk in convert(event.data) if convert is not None else (event.data,):
                             assembler.feed(chunk)
-                            out.append(raw if raw_passthrough else sse_bytes(strip_unrequested(chunk, wants)))
+                            out.append(raw if raw_passthrough else shapes.sse_bytes(shapes.strip_unrequested(chunk, wants)))
                 if out:
                     await send(b"".join(out))
                 if not data:

@@ -1,0 +1,101 @@
+"""The Responses API (``/v1/responses``) through the proxy on a real vLLM, with the ``openai`` client.
+
+Every call is stored token-exactly, as chat calls are: the prompt ids are the chat template's rendering, the
+completion ids decode to the text the harness received, one log-prob per completion token (vLLM's own), the
+call attributed to its rollout; and the harness gets back only what it asked for.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytest.register_assert_rewrite("proxy_servers")
+from proxy_servers import LoopThread, RunningProxy, proxy_config
+
+from harnessrl.store import CallStatus, TraceStore
+
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, vllm_server
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "read file 42 and fix the error in the test"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def captured(vllm_server, tmp_path_factory: pytest.TempPathFactory):
+    tmp = tmp_path_factory.mktemp("proxy-responses")
+    url = f"sqlite:///{tmp / 'store.db'}"
+    store = TraceStore.connect(url)
+    store.upgrade()
+    loops = LoopThread()
+    proxy = RunningProxy(loops, proxy_config([vllm_server.base_url], url, tmp / "spool", rollout_id=None,
+                                             model_name=vllm_server.model, sampling={"temperature": 1.0}), store)
+    yield proxy, store
+    proxy.stop()
+    loops.close()
+    store.close()
+
+
+def stored_call(proxy: RunningProxy, store: TraceStore, rollout: str):
+    proxy.flush(60)
+    [call] = store.read_calls(rollout, 0)
+    assert call.status is CallStatus.OK and call.route == "responses"
+    return call
+
+
+def check_tokens(call, tokenizer, text: str) -> None:
+    expected_prompt = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                                    add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert call.prompt_token_ids == list(expected_prompt)
+    decoded = tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
+    assert decoded == text or decoded.rstrip("\ufffd") == text
+    assert len(call.logprobs) == len(call.completion_token_ids) > 0
+    assert all(lp <= 0 for lp in call.logprobs)
+
+
+@pytest.mark.parametrize("asks_logprobs", [False, True], ids=["plain", "with-logprobs"])
+def test_responses_are_captured_token_exactly(captured, tokenizer, asks_logprobs):
+    proxy, store = captured
+    rollout = f"responses-{asks_logprobs}"
+    client = openai.OpenAI(base_url=f"{proxy.url}/rollouts/{rollout}/attempts/0/v1", api_key="unused",
+                           max_retries=0, timeout=120)
+    extra = {"include": ["message.output_text.logprobs"]} if asks_logprobs else {}
+    response = client.responses.create(model="anything", input=PROMPT, max_output_tokens=16, **extra)
+    call = stored_call(proxy, store, rollout)
+    check_tokens(call, tokenizer, response.output_text)
+    [part] = response.output[0].content
+    if asks_logprobs:  # the harness's own log-probs are the stored ones
+        assert [e.logprob for e in part.logprobs] == call.logprobs
+    else:
+        assert not part.logprobs
+    raw = response.model_dump()
+    assert raw.get("input_messages") is None and raw.get("output_messages") is None  # not asked for
+    assert call.response.get("input_messages") is None  # stored as the harness got it
+    assert call.request == {"model": "anything", "input": PROMPT, "max_output_tokens": 16, **extra}
+
+
+def test_streamed_responses_are_captured_and_relayed_as_events(captured, tokenizer):
+    proxy, store = captured
+    rollout = "responses-stream"
+    base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+    events = list(client.responses.create(model="anything", input=PROMPT, max_output_tokens=16, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    check_tokens(stored_call(proxy, store, rollout), tokenizer, text)
+
+    raw = httpx.post(f"{base}/responses", json={"model": "m", "input": PROMPT, "max_output_tokens": 4,
+                                                "stream": True}, timeout=120).text
+    assert "event: response.created\ndata: " in raw  # vLLM's framing, event lines kept
+    assert "raw_message_tokens" not in raw and '"logprob"' not in raw  # nothing the harness did not ask for
