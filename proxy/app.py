@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -45,7 +46,7 @@ from . import protocol, responses_api
 from .call_log import log_call
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
-from .continuity import TokenContinuity
+from .continuity import DerenderFailed, TokenContinuity
 from .metrics import ProxyMetrics
 from .pause import PausedError, PauseGate
 from .protocol import (
@@ -387,14 +388,14 @@ class CaptureProxy:
                     plan = await self.continuity.plan(
                         who,
                         body,
-                        self.ledger.last_call(who.key),
+                        self.ledger.recent_calls(who.key),
                         cfg.model_name,
                         cfg.sampling_for(who.rollout_id) if cfg.train else {},
                     )
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
                         x = Exchange(
-                            route, who, body, wants, plan.payload, "/v1/completions", started, convert,
+                            route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt,
                         )  # fmt: skip
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
@@ -446,6 +447,11 @@ class CaptureProxy:
             )
         if x.convert is not None:
             data = x.convert(data)
+            if inspect.isawaitable(data):  # continuity's tool calls: the server's derender reads the answer
+                try:
+                    data = await data
+                except DerenderFailed as exc:
+                    return self._bad_upstream(x, answer.url, answer.policy_version, str(exc))
         tokens = wire(x.route).tokens_from_response(x.route, data)
         out = dumps(wire(x.route).strip_unrequested(data, x.wants))
         self.capture(

@@ -6,11 +6,13 @@ for calls a harness runs concurrently, finish order is the order in which their 
 later prompt. Numbering at finish also means the call with ``seq - 1`` always reaches the writer first, so
 the store finds each call's predecessor earlier in the same batch or already stored (its delta encoding).
 
-The ledger keeps, per live rollout attempt, the next sequence number and a slim summary of the last call
-(its token ids as compact int32 arrays, its messages and reply) for token continuity (``continuity.py``).
-Both maps are bounded (least recently used first out): the counters by count, the last calls by the tokens
-they hold. A counter that fell out would restart numbering, so its bound is large
-(``HARNESSRL_LIVE_ROLLOUTS``).
+The ledger keeps, per live rollout attempt, the next sequence number and slim summaries of its recent calls
+(token ids as compact int32 arrays, messages and reply) for token continuity (``continuity.py``): the call a
+new one extends is chosen among them, so two conversations interleaved in one attempt (an agent and its
+sub-agent) each continue their own. A call that another one extended is superseded and dropped, so a linear
+agent loop holds one call per attempt, and at most ``RECENT_PER_ATTEMPT`` are kept (oldest out). Both maps are
+bounded (least recently used first out): the counters by count, the recent calls by the tokens they hold. A
+counter that fell out would restart numbering, so its bound is large (``HARNESSRL_LIVE_ROLLOUTS``).
 
 Why not the whole last ``CallRecord``: the store computes deltas from digests kept on the stored rows, so
 it needs no predecessor in memory, and a full record with its decoded
@@ -29,7 +31,7 @@ from typing import Any
 
 from harnessrl.store.records import CallRecord, CallStatus
 
-from .protocol import Route, Tokens, reply_message
+from .protocol import Route, Tokens, reply_message, same_message
 
 AttemptKey = tuple[str, int]  # (rollout_id, attempt)
 
@@ -87,6 +89,21 @@ class LastCall:
             reply_message(record.response) if record.route == "chat" else None,
         )
 
+    def extended_by(self, messages: list[Any]) -> bool:
+        """Whether ``messages`` are this call's messages + its reply + at least one more message."""
+        own, reply = self.messages, self.reply
+        if own is None or reply is None:
+            return False
+        k = len(own)
+        return len(messages) >= k + 2 and messages[:k] == own and same_message(messages[k], reply)
+
+    def supersedes(self, older: LastCall) -> bool:
+        """Whether this call continues ``older``'s conversation, so ``older`` can never be extended again
+        by a later call that this one could not serve as well."""
+        if self.messages is None or older.messages is None:
+            return self.messages is None and older.messages is None
+        return older.extended_by(self.messages)
+
     @property
     def tokens(self) -> int:
         rendered = len(self.rendered_prompt) if self.rendered_prompt is not self.prompt_token_ids else 0
@@ -100,14 +117,18 @@ def _int32(ids: list[int]) -> array:
         return array("i")
 
 
-class RolloutLedger:
-    """Sequence counters and last calls of live rollout attempts (event-loop thread only; no awaits)."""
+RECENT_PER_ATTEMPT = 8  # conversations continued side by side in one attempt (agent + sub-agents)
 
-    def __init__(self, max_rollouts: int, max_tokens: int) -> None:
+
+class RolloutLedger:
+    """Sequence counters and recent calls of live rollout attempts (event-loop thread only; no awaits)."""
+
+    def __init__(self, max_rollouts: int, max_tokens: int, per_attempt: int = RECENT_PER_ATTEMPT) -> None:
         self.max_rollouts = max_rollouts
         self.max_tokens = max_tokens
+        self.per_attempt = per_attempt
         self._next_seq: OrderedDict[AttemptKey, int] = OrderedDict()
-        self._last: OrderedDict[AttemptKey, LastCall] = OrderedDict()
+        self._recent: OrderedDict[AttemptKey, list[LastCall]] = OrderedDict()  # oldest call first
         self._tokens = 0
 
     def __len__(self) -> int:
@@ -118,7 +139,13 @@ class RolloutLedger:
         return self._tokens
 
     def last_call(self, key: AttemptKey) -> LastCall | None:
-        return self._last.get(key)
+        """The attempt's most recent remembered call."""
+        recent = self._recent.get(key)
+        return recent[-1] if recent else None
+
+    def recent_calls(self, key: AttemptKey) -> list[LastCall]:
+        """The attempt's remembered calls, newest first (the candidates a new call may extend)."""
+        return list(reversed(self._recent.get(key, ())))
 
     def next_seq(self, key: AttemptKey) -> int:
         seq = self._next_seq.pop(key, 0)
@@ -128,22 +155,34 @@ class RolloutLedger:
         return seq
 
     def remember(self, key: AttemptKey, record: CallRecord, rendered_prompt: list[int] | None = None) -> None:
-        """Make ``record`` the attempt's last call (``rendered_prompt``: when its prompt is not the chat
-        template's rendering, i.e. it was sent with token continuity)."""
-        self.forget(key)
+        """Add ``record`` to the attempt's recent calls (``rendered_prompt``: when its prompt is not the chat
+        template's rendering, i.e. it was sent with token continuity). The calls it extends (their messages
+        + reply begin its messages; for calls without messages, any such call) are superseded and dropped."""
         last = LastCall.of(record, rendered_prompt)
+        kept = []
+        for call in self._recent.pop(key, ()):
+            if last.supersedes(call):
+                self._tokens -= call.tokens
+            else:
+                kept.append(call)
         if last.tokens <= self.max_tokens:
-            self._last[key] = last
+            kept.append(last)
             self._tokens += last.tokens
-        while self._tokens > self.max_tokens and self._last:
-            _, evicted = self._last.popitem(last=False)
-            self._tokens -= evicted.tokens
+        while len(kept) > self.per_attempt:
+            self._tokens -= kept.pop(0).tokens
+        if kept:
+            self._recent[key] = kept
+        while self._tokens > self.max_tokens and self._recent:
+            oldest_key = next(iter(self._recent))
+            calls = self._recent[oldest_key]
+            self._tokens -= calls.pop(0).tokens
+            if not calls:
+                del self._recent[oldest_key]
 
     def forget(self, key: AttemptKey) -> None:
-        """Drop the attempt's last call (the counter stays, so late calls never reuse a number)."""
-        previous = self._last.pop(key, None)
-        if previous is not None:
-            self._tokens -= previous.tokens
+        """Drop the attempt's recent calls (the counter stays, so late calls never reuse a number)."""
+        for call in self._recent.pop(key, ()):
+            self._tokens -= call.tokens
 
 
 def build_call_record(
