@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harnessrl.local.evaluation_report import evaluation_note, evaluation_points, evaluation_table
+from harnessrl.rollout_ids import is_evaluation
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
+from harnessrl.store.evaluations import EvaluationResult, evaluation_results
 from harnessrl.store.learner_ledger import LearnerLedger
 
 RUN_FILE = "run.json"  # in the run directory: which store and run name `harnessrl status` reads
@@ -82,6 +85,8 @@ class RunSummary:
     steps: list[StepSummary]
     rollouts_per_s: float | None
     reward_by_version: dict[int, float]
+    evaluation: list[EvaluationResult] = field(default_factory=list)
+    """Per evaluated version (``spec.evaluation``), oldest first."""
 
     @property
     def finished(self) -> int:
@@ -100,7 +105,9 @@ def summarize(store: TraceStore, run: str) -> RunSummary:
     for attempt in attempts:
         if attempt.consumed_by_step is not None:
             by_step[attempt.consumed_by_step].append(attempt)
-        if attempt.state is RolloutState.SUCCEEDED and attempt.reward is not None:
+        if attempt.state is RolloutState.SUCCEEDED and attempt.reward is not None and not is_evaluation(
+            attempt.rollout_id
+        ):
             by_version[attempt.policy_version_start or 0].append(attempt.reward)
     steps = []
     for step in sorted(by_step):
@@ -117,6 +124,7 @@ def summarize(store: TraceStore, run: str) -> RunSummary:
         steps=steps,
         rollouts_per_s=rate,
         reward_by_version={v: sum(r) / len(r) for v, r in sorted(by_version.items())},
+        evaluation=evaluation_results(store, run),
     )
 
 
@@ -141,7 +149,7 @@ def progress_line(summary: RunSummary, target_steps: int | None = None) -> str:
         f"rollouts running {c[RolloutState.RUNNING]} queued {c[RolloutState.QUEUED]} "
         f"done {c[RolloutState.SUCCEEDED]} failed {c[RolloutState.FAILED] + c[RolloutState.TIMED_OUT]}  "
         f"reward {_fmt(last.reward_mean if last else None)}  "
-        f"rollouts/s {_fmt(summary.rollouts_per_s, 2)}"
+        f"rollouts/s {_fmt(summary.rollouts_per_s, 2)}{evaluation_note(summary.evaluation)}"
     )
 
 
@@ -166,11 +174,16 @@ def summary_table(summary: RunSummary):  # -> rich.table.Table (rich is imported
     merge = summary.merge
     if merge.rows:
         table.caption += f"\n{merge.line()}"
+    if summary.evaluation:  # then the evaluation's own table, a column per evaluated version
+        from rich.console import Group
+
+        return Group(table, evaluation_table(summary.evaluation))
     return table
 
 
 def write_reward_curve(summary: RunSummary, path: Path) -> Path | None:
-    """Reward mean (with its spread) per learner step as a PNG; None while no step has a reward."""
+    """Reward mean (with its spread) per learner step as a PNG, and the evaluation's mean reward at the step
+    that made each evaluated version as a second line; None while no step has a reward."""
     points = [(s.step, s.reward_mean, s.reward_std or 0.0) for s in summary.steps if s.reward_mean is not None]
     if not points:
         return None
@@ -184,8 +197,12 @@ def write_reward_curve(summary: RunSummary, path: Path) -> Path | None:
     ax.plot(steps, means, marker="o", label="reward mean")
     ax.fill_between(steps, [m - s for m, s in zip(means, stds, strict=True)],
                     [m + s for m, s in zip(means, stds, strict=True)], alpha=0.2, label="± std")
+    evaluated = evaluation_points(summary.evaluation)
+    if evaluated:
+        ax.plot(*zip(*evaluated, strict=True), marker="s", color="tab:green",
+                label="evaluation mean reward (held-out tasks)")
     ax.set_xlabel("learner step")
-    ax.set_ylabel("reward of the rollouts trained on")
+    ax.set_ylabel("reward")
     ax.set_title(f"{summary.run}: reward per step")
     ax.grid(alpha=0.3)
     ax.legend()

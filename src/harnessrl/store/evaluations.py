@@ -17,11 +17,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from harnessrl.spec.evaluation import Evaluation
 from harnessrl.store.records import RolloutState
-from harnessrl.store.schema import EVALUATION, Rollout, RolloutAttempt, Run
+from harnessrl.store.schema import EVALUATION, LearnerStep, Rollout, RolloutAttempt, Run
 from harnessrl.store.trace_store import TraceStore
 
 
@@ -56,6 +56,9 @@ class EvaluationResult:
     """samplesPerTask: the k of pass@k."""
     pass_at_k: float | None
     """Mean over tasks of the unbiased pass@k, once every rollout ended and k > 1; None otherwise."""
+    step: int | None = None
+    """The learner step that made this version (0 for the base model; None when the store has no such step):
+    where the evaluation sits on a per-step curve."""
 
     @property
     def complete(self) -> bool:
@@ -70,7 +73,7 @@ class EvaluationResult:
         return {
             "version": self.version, "rollouts": self.rollouts, "ended": self.ended, "succeeded": self.succeeded,
             "failed": self.failed, "timed_out": self.timed_out, "reward_mean": self.reward_mean,
-            "pass_rate": self.pass_rate, "k": self.k, "pass_at_k": self.pass_at_k,
+            "pass_rate": self.pass_rate, "k": self.k, "pass_at_k": self.pass_at_k, "step": self.step,
         }
 
 
@@ -101,10 +104,22 @@ def evaluation_results(store: TraceStore, run: str, evaluation: Evaluation | Non
     by_version: dict[int, list[Any]] = defaultdict(list)
     for row in latest.values():
         by_version[int(row.evaluated_version)].append(row)
-    return [_result(version, rows, pass_reward, k) for version, rows in sorted(by_version.items())]
+    steps = _steps_making(store, run, set(by_version))
+    return [_result(version, rows, pass_reward, k, steps.get(version))
+            for version, rows in sorted(by_version.items())]
 
 
-def _result(version: int, rows: list[Any], pass_reward: float, k: int) -> EvaluationResult:
+def _steps_making(store: TraceStore, run: str, versions: set[int]) -> dict[int, int]:
+    """The first learner step at each version (a step that trains nothing keeps the version it had)."""
+    made = {0: 0} if 0 in versions else {}
+    query = (select(LearnerStep.policy_version, func.min(LearnerStep.step))
+             .where(LearnerStep.run == run).group_by(LearnerStep.policy_version))
+    with store.engine.connect() as conn:
+        made.update({int(v): int(step) for v, step in conn.execute(query) if v in versions and v != 0})
+    return made
+
+
+def _result(version: int, rows: list[Any], pass_reward: float, k: int, step: int | None) -> EvaluationResult:
     states = [RolloutState(row.state) for row in rows]
     ended = [row for row, state in zip(rows, states, strict=True) if state.terminal]
     rewards = [row.reward for row, state in zip(rows, states, strict=True)
@@ -124,7 +139,7 @@ def _result(version: int, rows: list[Any], pass_reward: float, k: int) -> Evalua
         timed_out=sum(state is RolloutState.TIMED_OUT for state in states),
         reward_mean=sum(rewards) / len(rewards) if rewards else None,
         pass_rate=len(passed) / len(ended) if ended else None,
-        k=k, pass_at_k=at_k,
+        k=k, pass_at_k=at_k, step=step,
     )
 
 
