@@ -123,3 +123,16 @@ def test_every_zero_stage_publishes_the_same_weights_and_restores_them(tiny: Pat
         assert published[stage].keys() == published[2].keys()
         for key in published[2]:
             torch.testing.assert_close(published[stage][key], published[2][key], rtol=1e-4, atol=1e-5)  # lr 1e-3
+
+
+def test_prune_spares_the_best_evaluated_version(tmp_path: Path):
+    """``spare`` (the learner passes the best-evaluated version) outlives keepCheckpoints; engine states do not."""
+    ckpt = CheckpointDir(tmp_path, keep_last=2, keep_engine_states=1)
+    for v in range(1, 7):
+        ckpt.write_version(v, write_files(str(v)))
+        (ckpt.engine / f"v{v:06d}").mkdir(parents=True)
+    ckpt.prune(6, spare={2})
+    assert ckpt.listed(ckpt.versions) == [2, 5, 6]
+    assert ckpt.listed(ckpt.engine) == [6]
+    ckpt.prune(6)  # no longer the best: pruned like any other
+    assert ckpt.listed(ckpt.versions) == [5, 6]

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -127,12 +127,17 @@ class CheckpointDir:
                     removed.append(path)
         return removed
 
-    def prune(self, committed: int) -> list[Path]:
-        """Keep the newest ``keep_last`` servable versions and ``keep_engine_states`` engine states."""
+    def prune(self, committed: int, spare: Iterable[int] = ()) -> list[Path]:
+        """Keep the newest ``keep_last`` servable versions and ``keep_engine_states`` engine states, and the
+        servable versions in ``spare`` whatever their age: the best-evaluated version (what ``harnessrl export
+        --version best`` exports) and versions whose evaluation is still running."""
         removed: list[Path] = []
+        spared = set(spare)
         for parent, keep in ((self.versions, self.keep_last), (self.engine, self.keep_engine_states)):
             old = [v for v in self.listed(parent) if v <= committed][:-keep]
             for version in old:
+                if parent == self.versions and version in spared:
+                    continue
                 path = parent / version_name(version)
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)

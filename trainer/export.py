@@ -24,12 +24,13 @@ import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import click
 
 from harnessrl.store import TraceStore
 from harnessrl.store.engine import parse_url, safe_url
+from harnessrl.store.evaluations import evaluation_results
 from harnessrl.store.learner_ledger import LearnerLedger, VersionInfo
 from harnessrl.trainer.checkpoint import CheckpointDir
 
@@ -64,16 +65,14 @@ class ExportResult:
 # -- which version --------------------------------------------------------------------------------------------
 
 
-def evaluation_scores(ledger: LearnerLedger) -> dict[int, float]:
-    """Each evaluated version's evaluation score, read from the store: what ``--version best`` ranks.
-
-    Evaluation on held-out tasks is not built yet, so no version has a stored score and this returns an
-    empty mapping; once evaluation results are stored per version, read them here and ``best`` works unchanged.
-    """
-    return {}
+def evaluation_scores(ledger: LearnerLedger) -> dict[int, tuple[float, float]]:
+    """Each completely evaluated version's score, read from the store (``spec.evaluation``): what
+    ``--version best`` ranks. The score is the pass rate, then the mean reward (``EvaluationResult.score``);
+    a round still running has none yet."""
+    return {r.version: r.score for r in evaluation_results(ledger.store, ledger.run) if r.complete}
 
 
-def rank_versions(scores: Mapping[int, float], exportable: Iterable[int]) -> list[int]:
+def rank_versions(scores: Mapping[int, Any], exportable: Iterable[int]) -> list[int]:
     """Versions that have a score and are still on disk, best first (a tie goes to the newer version,
     which trained on more)."""
     present = set(exportable)
@@ -115,10 +114,13 @@ def choose_version(ledger: LearnerLedger, source: ExportSource,
     on_disk = {info.version: path for info in versions if (path := version_dir(info, source.checkpoints))}
     listing = _listing(on_disk)
     if wanted == "best":
-        ranked = rank_versions(evaluation_scores(ledger), on_disk)
+        scores = evaluation_scores(ledger)
+        ranked = rank_versions(scores, on_disk)
         if not ranked:
-            raise ExportError(f"--version best: run {source.run!r} has no evaluation results yet (evaluation is not "
-                              f"built, so no version has a score); use --version latest or a number: {listing}")
+            why = (f"has evaluation results only for versions no longer on disk ({', '.join(map(str, sorted(scores)))})"
+                   if scores
+                   else "has no evaluation results yet (set spec.evaluation, and let a round finish)")
+            raise ExportError(f"--version best: run {source.run!r} {why}; use --version latest or a number: {listing}")
         return ranked[0], on_disk[ranked[0]]
     version = ledger.committed_version() if wanted == "latest" else wanted
     if version in on_disk:

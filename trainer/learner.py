@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from harnessrl.store import TraceStore
+from harnessrl.store.evaluations import best_version, evaluation_results
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
 from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
@@ -323,13 +324,22 @@ class Learner:
 
         failure: Exception | None = None
         if self.main:
-            self.ckpt.prune(step)
+            self.ckpt.prune(step, spare=self._evaluated_versions_to_keep())
             failure = self._sync(step, path, unchanged_since=step - 1 if plan.empty else None)
             metrics["synced"] = failure is None
         self._stop_on_failed_sync(failure)
         return StepOutcome(step, step, metrics, True)
 
     # -- rank 0 ------------------------------------------------------------------------------------------------
+
+    def _evaluated_versions_to_keep(self) -> set[int]:
+        """What pruning spares (spec.evaluation): the best-evaluated version, and versions whose evaluation is
+        not complete yet (one of them may become the best)."""
+        if self.ledger is None:
+            return set()
+        results = evaluation_results(self.ledger.store, self.ledger.run)
+        best = best_version(results)
+        return {r.version for r in results if not r.complete} | ({best} if best is not None else set())
 
     def _wait_for_claim(self) -> StepClaim | None:
         """Poll the store on rank 0; every poll is one broadcast, so other ranks never hit a collective timeout."""
