@@ -310,12 +310,9 @@ class TokenContinuity:
         if tools is not None and body.get("stream") is True:
             raise _Fallback("stream_with_tools")
         messages = body["messages"]
-        # The parent: of the recent calls whose messages + reply begin these messages, the longest (newest
-        # first on a tie), so interleaved conversations each continue their own.
-        extended = [c for c in chats if c.extended_by(messages)]
-        if not extended:
+        last = choose_parent(chats, messages)
+        if last is None:
             raise _Fallback("not_an_extension")
-        last = max(extended, key=lambda c: len(c.messages or ()))
         if last.status is not CallStatus.OK or not last.completion_token_ids or not last.rendered_prompt:
             raise _Fallback("previous_call_incomplete")
         k = len(last.messages or ())
@@ -486,6 +483,17 @@ class TokenContinuity:
             raise _Fallback("tokenize_failed")
         return tokens, limit
 
+
+
+def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | None:
+    """The call ``messages`` continue: of the ``recent`` calls (newest first) whose messages + reply begin
+    ``messages`` (with at least one message after), the one with the most messages, the newest on a tie; so
+    in two interleaved conversations each call continues its own conversation's last call."""
+    best: LastCall | None = None
+    for call in recent:
+        if call.extended_by(messages) and (best is None or len(call.messages or ()) > len(best.messages or ())):
+            best = call
+    return best
 
 
 def _tools(body: dict[str, Any]) -> list[Any] | None:

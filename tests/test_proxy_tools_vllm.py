@@ -21,10 +21,10 @@ import openai
 import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
-from proxy_servers import LoopThread, RunningProxy, metric_value, proxy_config
-from vllm_fixtures import VllmServer, start_test_vllm
+from proxy_servers import RunningProxy, metric_value
+from vllm_fixtures import VllmServer, proxy_in_front, start_test_vllm
 
-from harnessrl.store import CallStatus, TraceStore
+from harnessrl.store import CallStatus
 from harnessrl.trainer.rows import merge_calls_into_rows
 
 pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir
@@ -93,21 +93,9 @@ def tokenizer(tiny_model_dir: Path):
 
 @pytest.fixture(scope="module")
 def captured(tool_server: VllmServer, tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("proxy-tools")
-    url = f"sqlite:///{tmp / 'store.db'}"
-    store = TraceStore.connect(url)
-    store.upgrade()
-    loops = LoopThread()
-    proxy = RunningProxy(
-        loops,
-        proxy_config([tool_server.base_url], url, tmp / "spool", rollout_id=None, model_name=tool_server.model,
-                     sampling={"temperature": 1.0}),
-        store,
-    )
-    yield proxy, store
-    proxy.stop()
-    loops.close()
-    store.close()
+    with proxy_in_front(tool_server, tmp_path_factory.mktemp("proxy-tools"), "test-run",
+                        {"temperature": 1.0}) as (store, proxy):
+        yield proxy, store
 
 
 def client(proxy: RunningProxy, rollout: str) -> openai.OpenAI:

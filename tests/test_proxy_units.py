@@ -13,6 +13,7 @@ import pytest
 
 from harnessrl.proxy.capture import Attribution, RolloutLedger, build_call_record
 from harnessrl.proxy.config import ConfigError, load_config
+from harnessrl.proxy.continuity import choose_parent
 from harnessrl.proxy.metrics import ProxyMetrics
 from harnessrl.proxy.protocol import (
     ClientWants,
@@ -269,6 +270,47 @@ def test_ledger_numbers_calls_and_bounds_last_calls_by_tokens():
     ledger.forget(a)
     assert ledger.last_call(a) is None and ledger.held_tokens == 0
     assert ledger.next_seq(a) == 3  # the counter survives: late calls never reuse a number
+
+
+def chat_record(seq: int, messages: list[dict], reply: str, rollout: str = "r"):
+    return build_call_record(
+        who=Attribution("run", rollout, 0), seq=seq, route="chat", request={"messages": messages},
+        response={"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]},
+        tokens=Tokens([1, 2, 3], [5, 6], [-0.5, -0.5], "stop"), policy_version=1, upstream="http://u",
+        latency_s=0.01, status=CallStatus.OK, http_status=200,
+    )  # fmt: skip
+
+
+def test_parent_is_the_recent_call_the_messages_extend_longest_and_extended_calls_are_superseded():
+    """An agent (a) and its sub-agent (b) interleaved in one attempt: each call's parent is its own
+    conversation's last call; a call supersedes the one it extends, so the ledger holds one call per
+    conversation, and at most ``per_attempt`` in all."""
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000, per_attempt=3)
+    key = ("r", 0)
+    a = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
+    b = [{"role": "system", "content": "sub-agent"}, {"role": "user", "content": "search"}]
+    a1, b1 = chat_record(0, a, "A1"), chat_record(1, b, "B1")
+    ledger.remember(key, a1)
+    ledger.remember(key, b1)
+    a2_messages = [*a, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "obs"}]
+    b2_messages = [*b, {"role": "assistant", "content": "B1", "refusal": None}, {"role": "tool", "content": "o"}]
+    recent = ledger.recent_calls(key)
+    assert [c.call_id for c in recent] == [b1.call_id, a1.call_id]  # newest first
+    assert choose_parent(recent, a2_messages).call_id == a1.call_id
+    assert choose_parent(recent, b2_messages).call_id == b1.call_id
+    assert choose_parent(recent, [*a, {"role": "assistant", "content": "edited"}, a2_messages[-1]]) is None
+    assert choose_parent(recent, [*a, {"role": "assistant", "content": "A1"}]) is None  # nothing new after it
+    a2 = chat_record(2, a2_messages, "A2")
+    ledger.remember(key, a2)
+    assert [c.call_id for c in ledger.recent_calls(key)] == [a2.call_id, b1.call_id]  # a1 superseded
+    a3_messages = [*a2_messages, {"role": "assistant", "content": "A2"}, {"role": "user", "content": "more"}]
+    assert choose_parent(ledger.recent_calls(key), a3_messages).call_id == a2.call_id
+    # the longest wins: a call extending both a conversation's first and its second call continues the second
+    ledger.remember(key, chat_record(3, a, "A1"))  # a retry of a1: nothing it extends, kept beside
+    assert choose_parent(ledger.recent_calls(key), a3_messages).call_id == a2.call_id
+    ledger.remember(key, chat_record(4, [{"role": "user", "content": "third"}], "C"))
+    assert len(ledger.recent_calls(key)) == 3  # the oldest (b1) went
+    assert b1.call_id not in {c.call_id for c in ledger.recent_calls(key)}
 
 
 def test_ledger_bounds_rollout_counters():
