@@ -405,6 +405,8 @@ class CaptureProxy:
                     )
                 )
                 x = Exchange(route, who, body, wants, payload, ROUTE_PATHS.get(route, responses_api.PATH), started)
+                if route == "responses" and cfg.train and body.get("stream") is True:
+                    return await self._replayed(request, x)
                 return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
         except PausedError as exc:
             return json_error(
@@ -464,6 +466,24 @@ class CaptureProxy:
             http_status=answer.status,
         )
         return web.Response(body=out, status=answer.status, content_type="application/json")
+
+    async def _replayed(self, request: web.Request, x: Exchange) -> web.StreamResponse:
+        """A streamed Responses call in train mode: fetched whole, captured, then replayed to the harness as
+        vLLM's event stream (``responses_api.py`` says why); an error answer goes back as it came."""
+        answer = await self._unary(x)
+        if answer.status != 200 or not isinstance(answer.body, bytes):
+            return answer
+        resp = web.StreamResponse(
+            status=200,
+            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
+        )
+        await resp.prepare(request)
+        try:
+            await resp.write(b"".join(map(responses_api.sse_bytes, responses_api.replay_events(loads(answer.body)))))
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass  # the harness left after its call was stored: nothing to undo
+        return resp
 
     def _capture_abandoned(self, x: Exchange) -> None:
         """Record a call the harness gave up on before any upstream answer reached it (stored as aborted)."""

@@ -11,6 +11,11 @@ its own request fields, which the proxy adds in train mode:
 * ``include: ["message.output_text.logprobs"]`` -> per-token log-probs on every ``output_text`` part
   (``output[].content[].logprobs[].logprob``; streamed: on each ``response.output_text.delta`` event).
 
+Streaming: vLLM's streamed Responses leave out the log-probs of tokens whose text is still empty (a UTF-8
+character cut between tokens; measured: 13-16 log-probs for 16 tokens on the tiny model), so in train mode
+a streamed call is sent upstream unstreamed and its answer replayed to the harness as the event sequence
+vLLM streams (``replay_events``), once the answer is complete: exact capture over token-by-token delivery.
+
 Log-probs come only for ``output_text``: a completion that is (partly) a function call or reasoning gets
 fewer log-probs than tokens, and the learner drops such a call as ``malformed`` instead of guessing.
 
@@ -68,6 +73,8 @@ def upstream_request(
             code="background_not_supported",
         )
     out.update(sampling)
+    out["stream"] = False  # see the module docstring: a streamed call is replayed to the harness
+    out.pop("stream_options", None)
     out["enable_response_messages"] = True
     include = list(body.get("include") or [])
     if LOGPROBS_INCLUDE not in include:
@@ -188,3 +195,48 @@ class StreamAssembler:
         if self.error is not None:
             out["error"] = self.error.get("error", self.error)
         return out
+
+
+def replay_events(response: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The events vLLM streams for ``response`` (created, in progress, each output item with its text or
+    arguments as one delta, then completed / incomplete / failed), for a harness that asked for a stream."""
+    events: list[dict[str, Any]] = []
+
+    def emit(kind: str, **fields: Any) -> None:
+        events.append({**fields, "sequence_number": len(events), "type": kind})
+
+    start = {**response, "status": "in_progress", "output": [], "usage": None}
+    emit("response.created", response=start)
+    emit("response.in_progress", response=start)
+    for index, item in enumerate(response.get("output") or []):
+        if not isinstance(item, dict):
+            continue
+        item_id = item.get("id")
+        parts = item.get("content") if item.get("type") == "message" else None
+        added = {**item, "status": "in_progress"}
+        if isinstance(parts, list):
+            added["content"] = []
+        if item.get("type") == "function_call":
+            added["arguments"] = ""
+        emit("response.output_item.added", item=added, output_index=index)
+        for part_index, part in enumerate(parts if isinstance(parts, list) else []):
+            where = {"content_index": part_index, "item_id": item_id, "output_index": index}
+            if not isinstance(part, dict) or part.get("type") != "output_text":
+                emit("response.content_part.added", part=part, **where)
+                emit("response.content_part.done", part=part, **where)
+                continue
+            logprobs = part.get("logprobs") or []
+            emit("response.content_part.added", part={**part, "text": "", "logprobs": []}, **where)
+            emit("response.output_text.delta", delta=part.get("text") or "", logprobs=logprobs, **where)
+            emit("response.output_text.done", text=part.get("text") or "", logprobs=logprobs, **where)
+            emit("response.content_part.done", part=part, **where)
+        if item.get("type") == "function_call":
+            where = {"item_id": item_id, "output_index": index}
+            emit("response.function_call_arguments.delta", delta=item.get("arguments") or "", **where)
+            emit("response.function_call_arguments.done", arguments=item.get("arguments") or "",
+                 name=item.get("name"), **where)
+        emit("response.output_item.done", item=item, output_index=index)
+    status = response.get("status")
+    final = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(str(status), "response.completed")
+    emit(final, response=dict(response))
+    return events
