@@ -31,10 +31,12 @@ from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso
 from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.spec.harness import Tasks
 from harnessrl.spec.models import TrainingRun
 from harnessrl.spec.problems import InvalidSpec, parse_training_run
 from harnessrl.spec.status import Phase, Reason
 from harnessrl.store import TraceStore
+from harnessrl.store.evaluations import evaluation_results
 from harnessrl.store.learner_ledger import LearnerLedger
 
 log = logging.getLogger(__name__)
@@ -265,7 +267,8 @@ class RunController:
                 ) from None
             self.store = store
             self.scheduler = RolloutScheduler(
-                store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks()
+                store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks(),
+                evaluation_tasks=self._evaluation_tasks(),
             )
         else:
             # harness.concurrency, timeoutSeconds and maxAttempts may change while the run exists
@@ -290,13 +293,20 @@ class RunController:
         return self.apis.secret_value(self.namespace, ref.name, ref.key, "spec.store.postgres.secretRef")
 
     def _tasks(self) -> list[dict[str, Any]]:
-        source = self.run.spec.harness.tasks
+        return self._task_list(self.run.spec.harness.tasks, "spec.harness.tasks")
+
+    def _evaluation_tasks(self) -> list[dict[str, Any]]:
+        evaluation = self.run.spec.evaluation
+        return self._task_list(evaluation.tasks, "spec.evaluation.tasks") if evaluation is not None else []
+
+    def _task_list(self, source: Tasks, field: str) -> list[dict[str, Any]]:
+        """Tasks from one source (harness.tasks or evaluation.tasks, named by ``field`` in every error)."""
         if source.inline is not None:
             return [task.model_dump(mode="json", by_alias=True, exclude_none=True) for task in source.inline]
         if source.config_map is not None:
             ref = source.config_map
             text = self.apis.config_map_value(
-                self.namespace, ref.name, ref.key, "spec.harness.tasks.configMap"
+                self.namespace, ref.name, ref.key, f"{field}.configMap"
             )
             tasks = []
             for number, line in enumerate(text.splitlines(), 1):
@@ -306,7 +316,7 @@ class RunController:
                     except json.JSONDecodeError as exc:
                         raise RunProblem(
                             Reason.INVALID_SPEC,
-                            f"spec.harness.tasks.configMap: line {number} of "
+                            f"{field}.configMap: line {number} of "
                             f"{ref.name}/{ref.key} is not JSON ({exc.msg}) — one task object "
                             "per line",
                         ) from None
@@ -314,13 +324,13 @@ class RunController:
             if not tasks:
                 raise RunProblem(
                     Reason.INVALID_SPEC,
-                    f"spec.harness.tasks.configMap: {ref.name}/{ref.key} has "
+                    f"{field}.configMap: {ref.name}/{ref.key} has "
                     "no tasks — add one JSON object per line",
                 )
             return tasks
         raise RunProblem(
             Reason.INVALID_SPEC,
-            "spec.harness.tasks.file: the operator cannot read files on a "
+            f"{field}.file: the operator cannot read files on a "
             "volume — put the tasks in a ConfigMap (tasks.configMap) or inline",
         )
 
@@ -382,6 +392,7 @@ class RunController:
     def _progress(self, observed: Observed, status: dict[str, Any]) -> None:
         spec = self.run.spec
         ledger = LearnerLedger(self.store, self.name)
+        observed.evaluation = evaluation_results(self.store, self.name, spec.evaluation)
         version = ledger.committed_version()
         observed.policy_version = self.store.latest_policy_version(self.name, synced_only=True) or 0
         observed.step = version

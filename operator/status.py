@@ -14,6 +14,7 @@ from typing import Any
 
 from harnessrl.spec.status import ConditionType, Phase, Reason
 from harnessrl.store import RolloutState
+from harnessrl.store.evaluations import EvaluationResult, best_version
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Observed:
     step: int | None = None
     counts: dict[RolloutState, int] = field(default_factory=dict)
     reward_mean: float | None = None
+    evaluation: list[EvaluationResult] = field(default_factory=list)  # per evaluated version (spec.evaluation)
     start_time: str | None = None
     completion_time: str | None = None
 
@@ -133,6 +135,22 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
     ):
         if value is not None:
             status[key] = value
+    if observed.evaluation:
+        status["evaluation"] = evaluation_status(observed.evaluation)
+    return status
+
+
+def evaluation_status(results: list[EvaluationResult]) -> dict[str, Any]:
+    """``status.evaluation``: a row per evaluated version, and the best complete one."""
+    versions = []
+    for r in results:
+        row = {"version": r.version, "rollouts": r.rollouts, "ended": r.ended, "rewardMean": r.reward_mean,
+               "passRate": r.pass_rate, "passAtK": r.pass_at_k, "failed": r.failed, "timedOut": r.timed_out}
+        versions.append({key: value for key, value in row.items() if value is not None})
+    status: dict[str, Any] = {"versions": versions}
+    best = best_version(results)
+    if best is not None:
+        status["bestVersion"] = best
     return status
 
 

@@ -83,6 +83,37 @@ class RolloutCounts(StatusModel):
     timed_out: int = Field(default=0, ge=0)
 
 
+class EvaluatedVersion(StatusModel):
+    """The evaluation of one policy version on spec.evaluation.tasks (read from the trace store)."""
+
+    version: int = Field(ge=0)
+    """The policy version evaluated (0: the base model, the baseline)."""
+    rollouts: int = Field(default=0, ge=0)
+    """Evaluation rollouts of this version."""
+    ended: int = Field(default=0, ge=0)
+    """How many of them ended; fewer than rollouts while the round runs."""
+    reward_mean: float | None = None
+    """Mean reward of the rollouts that succeeded."""
+    pass_rate: float | None = None
+    """Rollouts with reward >= spec.evaluation.passReward over those that ended."""
+    pass_at_k: float | None = None
+    """Unbiased pass@k with k = spec.evaluation.samplesPerTask (set when it is above 1)."""
+    failed: int = Field(default=0, ge=0)
+    """Failed or cancelled rollouts."""
+    timed_out: int = Field(default=0, ge=0)
+    """Rollouts that ran past harness.timeoutSeconds."""
+
+
+class EvaluationStatus(StatusModel):
+    """Evaluation results per version (spec.evaluation)."""
+
+    versions: list[EvaluatedVersion] = Field(default_factory=list)
+    """Every evaluated version, oldest first."""
+    best_version: int | None = Field(default=None, ge=0)
+    """The best complete evaluation (pass rate, then mean reward): what harnessrl export --version best writes
+    and checkpoint pruning keeps."""
+
+
 class TrainingRunStatus(StatusModel):
     """Observed state of a run."""
 
@@ -107,6 +138,8 @@ class TrainingRunStatus(StatusModel):
     """Rollouts by state."""
     reward_mean: float | None = None
     """Mean reward of the rollouts in the latest step."""
+    evaluation: EvaluationStatus | None = None
+    """Evaluation on held-out tasks, per policy version (spec.evaluation)."""
     start_time: datetime | None = None
     """When the run started running."""
     completion_time: datetime | None = None

@@ -1,0 +1,33 @@
+"""``status.evaluation``: a row per evaluated version and the best complete one, in the shape the CRD's status
+schema accepts; absent while nothing was evaluated."""
+
+from __future__ import annotations
+
+from test_operator_status import observed
+
+from harnessrl.operator.status import build_status
+from harnessrl.spec.status import TrainingRunStatus
+from harnessrl.store.evaluations import EvaluationResult
+
+
+def result(version: int, ended: int, reward: float | None, pass_rate: float | None, **more) -> EvaluationResult:
+    return EvaluationResult(version=version, rollouts=4, ended=ended, succeeded=ended, failed=0, timed_out=0,
+                            reward_mean=reward, pass_rate=pass_rate, k=2, pass_at_k=more.get("at_k"), step=version)
+
+
+def test_status_evaluation_lists_versions_and_the_best() -> None:
+    results = [result(0, 4, 0.2, 0.25, at_k=0.5), result(4, 4, 0.6, 0.75, at_k=1.0), result(8, 1, 0.9, 1.0)]
+    status = build_status(observed(evaluation=results), None)
+    parsed = TrainingRunStatus.model_validate(status)  # the CRD's own status schema accepts it
+    assert parsed.evaluation is not None and parsed.evaluation.best_version == 4  # v8's round still runs
+    assert status["evaluation"]["versions"] == [
+        {"version": 0, "rollouts": 4, "ended": 4, "rewardMean": 0.2, "passRate": 0.25, "passAtK": 0.5, "failed": 0,
+         "timedOut": 0},
+        {"version": 4, "rollouts": 4, "ended": 4, "rewardMean": 0.6, "passRate": 0.75, "passAtK": 1.0, "failed": 0,
+         "timedOut": 0},
+        {"version": 8, "rollouts": 4, "ended": 1, "rewardMean": 0.9, "passRate": 1.0, "failed": 0, "timedOut": 0},
+    ]
+
+
+def test_no_evaluation_no_status_field() -> None:
+    assert "evaluation" not in build_status(observed(), None)
