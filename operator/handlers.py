@@ -219,6 +219,7 @@ def _record(key: tuple[str, str], observed: Observed) -> None:
     METRICS.queue_depth.labels(*key).set(observed.counts.get(RolloutState.QUEUED, 0))
     for phase in Phase:
         METRICS.phase.labels(*key, phase.value).set(1 if phase is observed.phase else 0)
+    METRICS.observe_evaluation(key, observed.evaluation)
 
 
 _PROBLEMS = {

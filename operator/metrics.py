@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from harnessrl.store.evaluations import EvaluationResult
+
 PREFIX = "harnessrl_operator_"
 # A pod starts in about a second on an idle cluster and in minutes when images are pulled or nodes scale up.
 START_BUCKETS = (0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
@@ -50,6 +52,19 @@ class OperatorMetrics:
             buckets=START_BUCKETS,
             registry=r,
         )
+        # The newest complete evaluation on spec.evaluation's held-out tasks (harnessrl.store.evaluations).
+        self.evaluation_version = Gauge(
+            PREFIX + "evaluation_version", "Policy version of the newest complete evaluation.", run, registry=r
+        )
+        self.evaluation_reward_mean = Gauge(
+            PREFIX + "evaluation_reward_mean", "Mean reward of the newest complete evaluation.", run, registry=r
+        )
+        self.evaluation_pass_rate = Gauge(
+            PREFIX + "evaluation_pass_rate",
+            "Pass rate (reward >= spec.evaluation.passReward) of the newest complete evaluation.",
+            run,
+            registry=r,
+        )
 
         self.reconcile_seconds = Histogram(
             PREFIX + "reconcile_seconds",
@@ -58,6 +73,16 @@ class OperatorMetrics:
             buckets=PASS_BUCKETS,
             registry=r,
         )
+
+    def observe_evaluation(self, key: tuple[str, str], results: list[EvaluationResult]) -> None:
+        """Set the evaluation gauges from the newest complete round (left unset until there is one)."""
+        done = [result for result in results if result.complete]
+        if not done:
+            return
+        last = done[-1]
+        self.evaluation_version.labels(*key).set(last.version)
+        self.evaluation_reward_mean.labels(*key).set(last.reward_mean if last.reward_mean is not None else float("nan"))
+        self.evaluation_pass_rate.labels(*key).set(last.pass_rate if last.pass_rate is not None else float("nan"))
 
     def forget(self, namespace: str, run: str) -> None:
         """Drop a run's labelled series (its reconciler stopped)."""
@@ -71,6 +96,9 @@ class OperatorMetrics:
             self.queue_depth,
             self.phase,
             self.pod_start,
+            self.evaluation_version,
+            self.evaluation_reward_mean,
+            self.evaluation_pass_rate,
             self.reconcile_seconds,
         ):
             for labels in list(metric._metrics):  # noqa: SLF001 - prometheus_client has no public lookup

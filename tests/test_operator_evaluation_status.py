@@ -31,3 +31,17 @@ def test_status_evaluation_lists_versions_and_the_best() -> None:
 
 def test_no_evaluation_no_status_field() -> None:
     assert "evaluation" not in build_status(observed(), None)
+
+
+def test_metrics_follow_the_newest_complete_evaluation() -> None:
+    from harnessrl.operator.metrics import OperatorMetrics
+
+    metrics = OperatorMetrics()
+    labels = {"namespace": "ns", "run": "r"}
+    metrics.observe_evaluation(("ns", "r"), [result(0, 1, 0.2, 0.25)])  # nothing complete yet
+    assert metrics.registry.get_sample_value("harnessrl_operator_evaluation_version", labels) is None
+    metrics.observe_evaluation(("ns", "r"), [result(0, 4, 0.2, 0.25), result(4, 4, 0.6, 0.75), result(8, 2, 1, 1)])
+    value = lambda name: metrics.registry.get_sample_value(f"harnessrl_operator_evaluation_{name}", labels)  # noqa: E731
+    assert (value("version"), value("reward_mean"), value("pass_rate")) == (4, 0.6, 0.75)
+    metrics.forget("ns", "r")
+    assert value("version") is None
