@@ -385,6 +385,15 @@ def test_a_missing_secret_is_reported_naming_the_field_and_the_run_waits_for_it(
         )
         events = get(kube, ns, "events", "--field-selector", f"involvedObject.name={run}")["items"]
         assert any(e["reason"] == "InvalidSpec" and e["type"] == "Warning" for e in events)
+        kube.kubectl("create", "secret", "generic", "db", "-n", ns, "--from-literal=uri=wrong-key")
+        wait_for(
+            "the missing key named",
+            lambda: get(kube, ns, "tr", run).get("status", {}).get("message", "").startswith(
+                "spec.store.postgres.secretRef: Secret 'db' has no key 'url' — add the key or point "
+                "spec.store.postgres.secretRef.key at the key that holds it"
+            ),
+        )
+        kube.kubectl("delete", "secret", "db", "-n", ns)
         kube.kubectl("create", "secret", "generic", "db", "-n", ns, f"--from-literal=url={pg_url}")
         wait_for(
             "the run to proceed once the Secret exists",
