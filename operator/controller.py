@@ -401,6 +401,8 @@ class RunController:
             observed.reward_mean = float(metrics["reward_mean"])
         created = epoch(status.get("startTime")) or self.clock()
         observed.start_time = status.get("startTime") or now_iso()
+        if (observed.step or 0) >= spec.learner.steps and self._evaluating_final_version(observed):
+            return
         if version >= spec.learner.steps:
             self.stop("Cancelled: the run completed")
             observed.counts = self.store.count_attempts(self.name)
@@ -445,6 +447,21 @@ class RunController:
                 if observed.learner_problem is not None:  # rollouts go on, but no step will come
                     observed.reason, observed.message = observed.learner_problem
         observed.counts = self.store.count_attempts(self.name)
+
+    def _evaluating_final_version(self, observed: Observed) -> bool:
+        """Training is done: with spec.evaluation the final version is evaluated before the run succeeds, by
+        scheduler passes that start no training rollout any more (as ``harnessrl run`` does). True while that
+        evaluation runs; the run then completes as without one."""
+        if self.run.spec.evaluation is None:
+            return False
+        self.scheduler.reconcile(observed.policy_version, finishing=True)
+        if not self.scheduler.evaluation_pending():
+            return False
+        observed.evaluation = evaluation_results(self.store, self.name, self.run.spec.evaluation)
+        observed.counts = self.store.count_attempts(self.name)
+        observed.phase, observed.reason = Phase.RUNNING, Reason.RUNNING
+        observed.message = f"trained {observed.step} steps; evaluating policy v{observed.policy_version}"
+        return True
 
     def _finished(self, body: dict[str, Any], observed: Observed) -> Observed:
         status = body.get("status") or {}

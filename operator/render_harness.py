@@ -34,6 +34,7 @@ from harnessrl.operator.render_common import (
 from harnessrl.operator.render_secret import reward_token_env, store_url_env
 from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch
+from harnessrl.spec.evaluation import evaluation_sampling
 from harnessrl.spec.models import TrainingRun
 
 HARNESS_CONTAINER = "harness"
@@ -100,6 +101,11 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
         env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
         env("HARNESSRL_SAMPLING", json.dumps(sampling)),
+        *(
+            [env("HARNESSRL_EVALUATION_SAMPLING", json.dumps(evaluation_sampling(spec.evaluation)))]
+            if spec.evaluation is not None
+            else []
+        ),
         *(
             env(name, value)
             for name, value in spec_environment(proxy, PurePosixPath(SPOOL_DIR, "proxy.spool")).items()

@@ -45,3 +45,19 @@ def test_metrics_follow_the_newest_complete_evaluation() -> None:
     assert (value("version"), value("reward_mean"), value("pass_rate")) == (4, 0.6, 0.75)
     metrics.forget("ns", "r")
     assert value("version") is None
+
+
+def test_sidecars_get_the_evaluation_sampling_only_when_the_run_evaluates() -> None:
+    import copy
+    import json
+
+    from test_render import CLUSTER, container, env_of, harness_pod
+
+    from harnessrl.spec.problems import parse_training_run
+
+    assert "HARNESSRL_EVALUATION_SAMPLING" not in env_of(container(harness_pod(parse_training_run(CLUSTER))["spec"],
+                                                                   "proxy"))
+    document = copy.deepcopy(CLUSTER)
+    document["spec"]["evaluation"] = {"tasks": {"inline": [{"id": "h"}]}, "temperature": 0.5, "topP": 0.9}
+    proxy = env_of(container(harness_pod(parse_training_run(document))["spec"], "proxy"))
+    assert json.loads(proxy["HARNESSRL_EVALUATION_SAMPLING"]) == {"temperature": 0.5, "top_p": 0.9}
