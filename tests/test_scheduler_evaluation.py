@@ -147,3 +147,19 @@ def test_evaluation_without_tasks_is_refused(store: TraceStore, store_url: str, 
     with pytest.raises(ValueError, match="spec.evaluation.tasks"):
         RolloutScheduler(store, settings, backend, TRAIN_TASKS)
     assert evaluation_rows(store) == []
+
+
+def test_a_round_cancelled_by_a_stop_runs_again_when_the_run_goes_on(
+    store: TraceStore, store_url: str, harness: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    scheduler = scheduler_with_evaluation(store, store_url, harness, tmp_path, samples=1, concurrency=1)
+    scheduler.reconcile(0)
+    assert scheduler.stop_all() >= 3  # Ctrl-C: the round's rollouts (and training ones) are cancelled
+    [cancelled] = evaluation_results(store, "sched")
+    assert cancelled.complete and cancelled.failed == 3
+    # the next start: a new scheduler over the same store re-queues the round and scores it in full
+    again = scheduler_with_evaluation(store, store_url, harness, tmp_path / "again", samples=1, concurrency=2)
+    drive(again, 0, lambda: (r := evaluation_results(store, "sched")[0]).complete and r.succeeded == 2
+          and r.failed == 1)
+    [result] = evaluation_results(store, "sched")
+    assert (result.rollouts, result.ended, result.succeeded, result.failed) == (3, 3, 2, 1)  # e-crash crashes
