@@ -30,6 +30,7 @@ from harnessrl.operator.pods import PodApi, PodBackend, PodSummary
 from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso
 from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
+from harnessrl.policy_serving import is_lora
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.harness import Tasks
 from harnessrl.spec.models import TrainingRun
@@ -393,21 +394,22 @@ class RunController:
         spec = self.run.spec
         ledger = LearnerLedger(self.store, self.name)
         observed.evaluation = evaluation_results(self.store, self.name, spec.evaluation)
-        version = ledger.committed_version()
-        observed.policy_version = self.store.latest_policy_version(self.name, synced_only=True) or 0
-        observed.step = version
-        metrics = ledger.step_metrics(version) if version else None
+        step = ledger.committed_step()  # trained or empty (a step with nothing to train makes no version)
+        serving = self.store.latest_policy_version(self.name, synced_only=True)
+        observed.policy_version = serving or 0
+        observed.step = step
+        metrics = ledger.step_metrics(step) if step else None
         if metrics and isinstance(metrics.get("reward_mean"), (int, float)):
             observed.reward_mean = float(metrics["reward_mean"])
         created = epoch(status.get("startTime")) or self.clock()
         observed.start_time = status.get("startTime") or now_iso()
         if (observed.step or 0) >= spec.learner.steps and self._evaluating_final_version(observed):
             return
-        if version >= spec.learner.steps:
+        if step >= spec.learner.steps:
             self.stop("Cancelled: the run completed")
             observed.counts = self.store.count_attempts(self.name)
             observed.phase, observed.reason = Phase.SUCCEEDED, Reason.COMPLETED
-            observed.message = f"trained {version} steps"
+            observed.message = f"trained {step} steps"
             observed.completion_time = now_iso()
             return
         deadline = spec.active_deadline_seconds
@@ -420,7 +422,8 @@ class RunController:
             )
         # No new harness pods while suspended or while no replica serves (they would only wait or fail);
         # pods already running are still settled by the reconcile.
-        self.backend.suspended = spec.suspend or not observed.rollout_ready
+        # A LoRA policy is served once the learner loaded version 0's adapter: calls before would find no model.
+        self.backend.suspended = spec.suspend or not observed.rollout_ready or (is_lora(spec) and serving is None)
         if not observed.rollout_ready:
             waited = self.clock() - created
             if waited > self.config.provisioning_timeout_seconds:
@@ -443,7 +446,7 @@ class RunController:
                 observed.message = "spec.suspend is true: no new rollouts start; running ones finish"
             else:
                 observed.phase, observed.reason = Phase.RUNNING, Reason.RUNNING
-                observed.message = f"step {version} of {spec.learner.steps}"
+                observed.message = f"step {step} of {spec.learner.steps}"
                 if observed.learner_problem is not None:  # rollouts go on, but no step will come
                     observed.reason, observed.message = observed.learner_problem
         observed.counts = self.store.count_attempts(self.name)

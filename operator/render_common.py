@@ -14,14 +14,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from harnessrl.operator import naming
+from harnessrl.policy_serving import SERVED_MODEL_NAME  # noqa: F401 - re-exported for the renderers
 from harnessrl.replica_targets import dns_target
 from harnessrl.spec.kube import EnvVar, Resources, Volume
 from harnessrl.spec.models import TrainingRun
 
 GPU_RESOURCE = "nvidia.com/gpu"
-SERVED_MODEL_NAME = "policy"
-"""The model name vLLM serves and the proxy forces on every call, as ``harnessrl run`` does, so a harness
-never needs to know which model it talks to."""
 
 
 def restricted_security() -> dict[str, Any]:

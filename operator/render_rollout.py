@@ -1,8 +1,8 @@
 """The vLLM servers that generate rollouts: a Deployment and two Services.
 
-The server is started as ``harnessrl run`` starts it (``local/vllm_server.py``): the policy served under one
-name, ``VLLM_SERVER_DEV_MODE=1`` so the learner can reload weights in place through ``/collective_rpc``,
-usage statistics off. What a cluster adds: the model from a claim or a hub, the learner's checkpoint claim
+The server is started as ``harnessrl run`` starts it (``local/vllm_server.py``; the served names and the LoRA
+flags from ``harnessrl.policy_serving``, one mapping for both): ``VLLM_SERVER_DEV_MODE=1`` so the learner can
+reload weights in place through ``/collective_rpc``, usage statistics off. What a cluster adds: the model from a claim or a hub, the learner's checkpoint claim
 mounted read-only at the learner's own path (weight sync hands vLLM the path the learner wrote), and probes
 that tell "loading the model" (up to ``OperatorConfig.provisioning_timeout_seconds``) from "hung".
 """
@@ -15,7 +15,6 @@ from typing import Any
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render_common import (
-    SERVED_MODEL_NAME,
     claim_volumes,
     container_resources,
     env,
@@ -24,25 +23,13 @@ from harnessrl.operator.render_common import (
     run_claims,
     spec_env,
 )
+from harnessrl.policy_serving import is_lora, lora_flags, served_model_name
 from harnessrl.spec.models import TrainingRun
 
 HF_CACHE = "/root/.cache/huggingface"
 """Where vLLM keeps hub downloads (``HF_HOME`` of the image's root user); an emptyDir, so a replica
 downloads once per pod and the node's disk is returned when the pod goes."""
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``)."""
 PROBE_PERIOD_SECONDS = 10
-
-
-def max_lora_rank(rank: int) -> int:
-    """The smallest rank vLLM accepts that holds an adapter of ``rank`` (vLLM refuses any other value)."""
-    for allowed in MAX_LORA_RANKS:
-        if allowed >= rank:
-            return allowed
-    raise ValueError(
-        f"spec.learner.lora.rank: {rank} is above {MAX_LORA_RANKS[-1]}, the largest LoRA rank vLLM serves — "
-        "lower it"
-    )
 
 
 def model_argument(run: TrainingRun) -> str:
@@ -58,7 +45,7 @@ def vllm_args(run: TrainingRun) -> list[str]:
         model_argument(run),
         "--host", "0.0.0.0",
         "--port", str(naming.VLLM_PORT),
-        "--served-model-name", SERVED_MODEL_NAME,
+        "--served-model-name", served_model_name(spec),  # the base model's name under a LoRA policy
         "--max-model-len", str(rollout.max_model_len),
         "--tensor-parallel-size", str(rollout.tensor_parallel),
         "--logprobs-mode", "processed_logprobs",  # log-probs of the distribution sampled (temperature included)
@@ -67,16 +54,14 @@ def vllm_args(run: TrainingRun) -> list[str]:
         args += ["--revision", spec.model.hub.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
-    if spec.weight_sync.method == "lora":
-        args += ["--enable-lora", "--max-lora-rank", str(max_lora_rank(spec.learner.lora.rank))]
-    return args + list(rollout.args)
+    return args + lora_flags(spec) + list(rollout.args)
 
 
 def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:
     """Ours first, then the spec's: a user may tune vLLM's variables, including ours."""
     spec = run.spec
     ours = [env("VLLM_SERVER_DEV_MODE", "1"), env("VLLM_NO_USAGE_STATS", "1"), env("DO_NOT_TRACK", "1")]
-    if spec.weight_sync.method == "lora":
+    if is_lora(spec):
         ours.append(env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"))
     hub = spec.model.hub
     if hub is None:

@@ -21,7 +21,7 @@ from harnessrl.trainer.engine import EngineSettings, PolicyEngine
 from harnessrl.trainer.learner import Learner, LearnerSettings
 from harnessrl.trainer.losses import LossConfig
 from harnessrl.trainer.metrics import LearnerMetrics
-from harnessrl.trainer.weight_sync import WeightSync
+from harnessrl.trainer.weight_sync import GateReport, SyncReport, WeightSync
 
 PROMPT = list(range(40, 64))
 OBSERVATION = [7, 8, 9, 10, 11]
@@ -112,40 +112,42 @@ def test_a_few_steps_raise_rewarded_completions_and_lower_the_others(tiny: Path,
 
 
 class RecordingSync(WeightSync):
-    """The real sync logic (no replica, no proxy), noting whether each version was loaded or only relabelled."""
+    """A rollout side that only notes which versions it was asked to load (every load succeeds)."""
 
     def __init__(self) -> None:
         super().__init__([])
-        self.calls: list[tuple[str, int]] = []
+        self.calls: list[int] = []
 
-    def sync(self, version: int, checkpoint: Path):
-        self.calls.append(("load", version))
-        return super().sync(version, checkpoint)
-
-    def relabel(self, version: int, previous: int, checkpoint: Path):
-        self.calls.append(("relabel", version))
-        return super().relabel(version, previous, checkpoint)
+    def sync(self, version: int, checkpoint: Path) -> SyncReport:
+        self.calls.append(version)
+        return SyncReport(version, True, [], GateReport({}), {}, 0.0)
 
 
-def test_a_step_without_trainable_rollouts_consumes_them_without_saving_or_reloading(tiny: Path, tmp_path: Path):
-    """A step whose groups all have equal rewards trains nothing: its version is the previous one's files
-    (linked, not saved again), the replicas are only relabelled, and the step record says why."""
+def test_a_step_without_trainable_rollouts_consumes_them_without_a_new_version(tiny: Path, tmp_path: Path):
+    """A step whose groups all have equal rewards trains nothing: it consumes its rollouts, saves and syncs
+    nothing and takes no version number (the step record keeps version 0 and says why); the next step that
+    trains makes version 1, and both count towards ``steps``."""
     store = TraceStore.connect(f"sqlite:///{tmp_path / 'store.db'}")
     store.upgrade()
     prompt = list(range(20, 30))
-    keys = record_group(store, "flat", "same", [Sample(((prompt, [300 + i] * 4, [-2.0] * 4),), 1.0) for i in range(3)])
-    settings = LearnerSettings(run="flat", model_dir=tiny, output_dir=tmp_path / "out", steps=1, tasks_per_step=1,
+    flat = record_group(store, "flat", "same", [Sample(((prompt, [300 + i] * 4, [-2.0] * 4),), 1.0) for i in range(3)])
+    varied = record_group(store, "flat", "varied",
+                          [Sample(((prompt, [400 + i] * 4, [-2.0] * 4),), float(i)) for i in range(3)])
+    settings = LearnerSettings(run="flat", model_dir=tiny, output_dir=tmp_path / "out", steps=2, tasks_per_step=1,
                                group_size=3, wait_timeout_s=0)
     sync = RecordingSync()
     metrics = LearnerMetrics()
-    (outcome,) = Learner(settings, PolicyEngine(tiny, settings.engine), store, sync=sync, metrics=metrics).run()
-    assert outcome.metrics["empty_step"] == 1 and outcome.metrics["zero_variance_groups"] == 1
-    assert outcome.metrics["skipped_reason"].startswith("1 of 1 groups had equal rewards")
+    empty, trained = Learner(settings, PolicyEngine(tiny, settings.engine), store, sync=sync, metrics=metrics).run()
+    assert (empty.step, empty.version, empty.synced) == (1, 0, False)
+    assert empty.metrics["empty_step"] == 1 and empty.metrics["zero_variance_groups"] == 1
+    assert empty.metrics["skipped_reason"].startswith("1 of 1 groups had equal rewards")
+    assert (trained.step, trained.version, trained.synced) == (2, 1, True)
     ledger = LearnerLedger(store, "flat")
-    assert ledger.step_metrics(1)["skipped_reason"] == outcome.metrics["skipped_reason"]
-    assert set(ledger.consumed_by(1)) == set(keys) and ledger.claim(1, 3) is None
-    published = tmp_path / "out" / "versions" / "v000001"
-    assert (published / "model.safetensors").samefile(tiny / "model.safetensors")  # the base model's file
-    assert sync.calls == [("relabel", 1)] and ledger.version(1).synced
+    assert ledger.step_metrics(1)["skipped_reason"] == empty.metrics["skipped_reason"]
+    assert ledger.step_metrics(1)["policy_version"] == 0 and ledger.step_metrics(2)["policy_version"] == 1
+    assert set(ledger.consumed_by(1)) == set(flat) and set(ledger.consumed_by(2)) == set(varied)
+    assert [v.version for v in ledger.versions()] == [0, 1] and ledger.committed_step() == 2
+    assert sorted(p.name for p in (tmp_path / "out" / "versions").iterdir()) == ["v000001"]  # nothing saved for step 1
+    assert sync.calls == [1]
     assert "harnessrl_learner_empty_steps_total 1.0" in metrics.exposition()[0].decode()
     store.close()

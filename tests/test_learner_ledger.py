@@ -110,6 +110,27 @@ def test_commit_refuses_the_same_version_twice(store: TraceStore, ledger: Learne
     assert ledger.claim(1, 2).keys == other.keys  # still unconsumed
 
 
+def test_an_empty_step_consumes_its_rollouts_without_a_policy_version(store: TraceStore, ledger: LearnerLedger):
+    """A step that trained nothing is recorded (steps count it) and its rollouts are consumed, but no version
+    is made: the step record keeps the version the policy stays at, and the next trained step makes the next
+    version, so version numbers always mean new weights."""
+    for task in ("t1", "t2", "t3"):
+        make_group(store, task, 2)
+    ledger.commit(1, "/ckpt/v000001", None, ledger.claim(1, 2).keys)
+    empty = ledger.claim(1, 2)
+    assert ledger.consume(2, {"empty_step": 1}, empty.keys) == 1
+    assert ledger.committed_step() == 2 and ledger.committed_version() == 1
+    assert [v.version for v in ledger.versions()] == [0, 1]
+    assert ledger.consumed_by(2) == empty.keys and ledger.step_metrics(2) == {"empty_step": 1}
+    with store.engine.connect() as conn:
+        assert conn.scalar(select(LearnerStep.policy_version).where(LearnerStep.step == 2)) == 1
+    with pytest.raises(CommitRefused, match="consumed by another step"):  # refused like a commit, nothing written
+        ledger.consume(3, None, empty.keys)
+    assert ledger.committed_step() == 2
+    assert ledger.commit(3, "/ckpt/v000002", None, ledger.claim(1, 2).keys) == 2  # the next version, no gap
+    assert ledger.committed_step() == 3 and [v.version for v in ledger.versions()] == [0, 1, 2]
+
+
 def test_base_version_is_recorded_once(store: TraceStore):
     ledger = LearnerLedger(store, RUN)
     ledger.ensure_base_version("/models/a")

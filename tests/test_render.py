@@ -512,6 +512,9 @@ def test_lora_enables_runtime_adapters_with_a_rank_vllm_accepts() -> None:
         variant(CLUSTER, lambda s: (s["weightSync"].update(method="reload"), s["learner"].pop("lora")))
     )
     assert "--enable-lora" not in full["args"] and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env_of(full)
+    # The adapter is the policy ("policy", what the proxy sends); the base keeps a name of its own.
+    assert args[args.index("--served-model-name") + 1] == "policy-base"
+    assert full["args"][full["args"].index("--served-model-name") + 1] == "policy"
     with pytest.raises(ValueError, match=r"spec\.learner\.lora\.rank"):
         vllm(variant(CLUSTER, lambda s: s["learner"]["lora"].update(rank=1000)))
 
@@ -522,7 +525,7 @@ def test_vllm_command_and_env() -> None:
     args = server["args"]
     for flag, value in [
         ("--port", "8000"),
-        ("--served-model-name", "policy"),
+        ("--served-model-name", "policy-base"),  # a LoRA run: the base under its own name
         ("--max-model-len", "32768"),
         ("--tensor-parallel-size", "2"),
         ("--host", "0.0.0.0"),

@@ -74,14 +74,21 @@ def test_a_failing_replica_is_retried_reported_and_the_proxies_resume_on_the_old
         assert state(proxy.url)["policy_version"] == 0  # the new version was not announced
 
 
-def test_without_replicas_the_version_reaches_every_proxy_and_a_dead_proxy_is_reported(make_proxy, upstream):
+@pytest.mark.parametrize("replicas", ["empty list", "resolves to none"])
+def test_a_sync_that_finds_no_replica_fails_and_no_proxy_learns_the_version(make_proxy, upstream, replicas):
+    """Syncing no replica is not a sync: an empty list fails like a name that resolves to nothing, the proxies
+    are paused and resumed but never told the version (they would record calls under weights nothing loaded),
+    and a dead proxy is still reported apart."""
     live = make_proxy([upstream.url])
     gone = dead_url()
     gate = ProxyAdminGate([live.url, gone], retries=2, backoff_s=0.01)
-    report = WeightSync([], gate).sync(3, Path("/ckpt/v000003"))
-    assert report.ok  # no replica left behind; the proxy problem is reported apart
-    assert state(live.url)["policy_version"] == 3 and state(live.url)["paused"] is False
-    assert sorted(report.gate_errors) == [f"pause {gone}", f"resume {gone}", f"version {gone}"]
+    targets = [] if replicas == "empty list" else ReplicaSet(["dns://nothing.invalid:8000"], resolve=lambda *a, **k: []).current
+    report = WeightSync(targets, gate, tries=1).sync(3, Path("/ckpt/v000003"))
+    assert not report.ok
+    assert [r.ok for r in report.replicas] == [False]
+    assert "no vLLM replica" in report.replicas[0].error
+    assert state(live.url)["policy_version"] == 0 and state(live.url)["paused"] is False
+    assert sorted(report.gate_errors) == [f"pause {gone}", f"resume {gone}"]
     assert all("ConnectError" in e for e in report.gate_errors.values())
 
 

@@ -76,20 +76,6 @@ class CheckpointDir:
         _fsync_dir(parent)
         return final
 
-    def carry_over(self, servable: Path, previous: int, version: int) -> Path:
-        """Publish ``version`` as the very files of ``previous`` (``servable``: its servable directory, the base
-        model for version 0), for a step that changed no weight. Hard links where the filesystem allows
-        (a copy otherwise): nothing is serialised again, and every version still has its own directories, so
-        resume, prune and discard need no special case. Rank 0 only."""
-        final = self.write_version(version, lambda temp: _link_tree(servable, temp))
-        if self.has_engine_state(previous):
-            temp = self.engine / self.engine_temp_tag(version)
-            if temp.exists():
-                shutil.rmtree(temp)
-            _link_tree(self.engine / self.engine_tag(previous), temp)
-            self.publish(temp, self.engine, version)
-        return final
-
     def engine_temp_tag(self, version: int) -> str:
         """The engine state's temporary tag: the same name on every rank (ranks write into one directory)."""
         return f"{TMP_PREFIX}{version_name(version)}"
@@ -195,16 +181,6 @@ def restore_checkpoint(engine: PolicyEngine, ckpt: CheckpointDir, version: int) 
         )
     engine.load_published(path)
     return "weights-only"
-
-
-def _link_tree(source: Path, target: Path) -> None:
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:  # another filesystem (a base model elsewhere), or no hard links there
-            shutil.copy2(src, dst)
-
-    shutil.copytree(source, target, copy_function=link, dirs_exist_ok=True)
 
 
 def _fsync_tree(path: Path) -> None:

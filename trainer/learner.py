@@ -6,10 +6,10 @@ the checkpoint. What makes a crash at any point safe:
 
 * a step counts only once :meth:`LearnerLedger.commit` wrote, in one transaction, the new policy version, the
   step record and the consumed marks of its rollouts;
-* on start the learner takes the highest committed version from the store, discards newer checkpoint
-  directories (written by a learner killed between save and commit), restores weights and optimizer state of
-  that version and redoes the next step. Its rollouts are still unconsumed, so none is trained on twice and
-  the version sequence has no gap;
+* on start the learner takes the highest committed step and version from the store, discards newer
+  checkpoint directories (written by a learner killed between save and commit), restores weights and
+  optimizer state of that version and redoes the next step. Its rollouts are still unconsumed, so none is
+  trained on twice and the version sequence has no gap;
 * a committed version that was not yet synced (killed between commit and sync, or a sync that failed) is
   synced on start.
 
@@ -17,13 +17,16 @@ A sync that fails after its retries (``spec.weightSync.retries``, within ``timeo
 with :class:`SyncFailed` on every rank: the version stays committed and unsynced, and a restarted learner
 syncs it before anything else.
 
-Step ``n`` produces policy version ``n``; version 0 is the base model. A step whose rollouts give no trainable
-token (every group had equal rewards, or every row was dropped) trains nothing and does not pretend it did:
-its version is the previous one's files (hard links, nothing saved), the replicas already serving them are
-only relabelled (no pause, no reload), and the step record says ``empty_step: 1`` with ``skipped_reason``
-(counted in ``harnessrl_learner_empty_steps_total``). It still consumes its rollouts and still takes a
-version number: the scheduler only starts new groups once old ones are consumed, and the store marks a
-consumed rollout with the step (= version) that took it.
+A step that trains produces the next policy version; version 0 is the base model (a LoRA run's fresh
+adapter). A step whose rollouts give no trainable token (every group had equal rewards, or every row was
+dropped) trains nothing and does not pretend it did: it saves nothing, makes no policy version and syncs
+nothing (:meth:`LearnerLedger.consume`); it consumes its rollouts (the scheduler only starts new groups once
+old ones are consumed) and its step record says ``empty_step: 1`` with ``skipped_reason``, at the version
+the policy stays at (counted in ``harnessrl_learner_empty_steps_total``). It counts towards ``steps``, so a
+run whose groups never differ still ends. Steps and versions are therefore numbered apart.
+
+A learner without replicas and proxies (offline training from a stored trace) has no rollout side: it
+commits versions and syncs none, and the store leaves them unsynced, since nothing serves them.
 
 A step makes ``mini_batches`` optimizer updates (decoupled PPO, see ``losses``): rank 0 splits the step's
 rollouts into that many parts and weights each part's tokens as a whole batch of its own; every rank first
@@ -47,6 +50,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from harnessrl.policy_serving import SERVED_MODEL_NAME
 from harnessrl.store import TraceStore
 from harnessrl.store.evaluations import best_version, evaluation_results
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
@@ -106,7 +110,7 @@ class LearnerSettings:
     keep_checkpoints: int = 3
     replicas: tuple[str, ...] = ()  # vLLM base URLs
     proxies: tuple[str, ...] = ()  # proxy base URLs (admin API)
-    lora_name: str = "policy"  # the adapter name harnesses ask for when LoRA is on
+    lora_name: str = SERVED_MODEL_NAME  # the adapter's name under LoRA: what harnesses and the proxy ask for
     pause_mode: Literal["wait", "reject"] = "wait"
     drain_timeout_s: float = 30.0
     sync_tries: int = 3
@@ -120,6 +124,9 @@ class LearnerSettings:
         for name in ("steps", "tasks_per_step", "group_size", "keep_checkpoints", "sync_tries", "mini_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: {getattr(self, name)} must be >= 1")
+        if self.proxies and not self.replicas:
+            raise ValueError("proxies need replicas: a sync that loads no replica would announce versions nothing "
+                             "serves — pass the vLLM replicas (--replica) too, or neither for offline training")
 
     @classmethod
     def from_spec(cls, spec: Any, *, run: str, model_dir: Path, output_dir: Path, **overrides: Any) -> LearnerSettings:
@@ -219,26 +226,30 @@ class Learner:
         self.ckpt = CheckpointDir(settings.output_dir, keep_last=settings.keep_checkpoints)
         self.metrics = metrics or LearnerMetrics()
         self.hooks = hooks or LearnerHooks()
+        # None on rank 0: no rollout side (no replica, no proxy); versions are committed and never synced
         self.sync = sync if sync is not None else (default_weight_sync(settings) if self.main else None)
-        self.version = 0
+        self.version = 0  # the policy version the learner holds
+        self.steps_done = 0  # committed steps, trained or empty
         self.restored = "base"
 
     # -- start -------------------------------------------------------------------------------------------------
 
     def resume(self) -> int:
         """Find the committed version, clean up after a crash, restore it; collective. Returns the version."""
-        committed = [0]
+        committed = [0, 0]
         if self.main:
             assert self.ledger is not None
             if self.ledger.version(0) is None:
                 base_path = self._write_initial_adapter() if self.engine.is_lora else self.settings.model_dir
                 self.ledger.ensure_base_version(str(base_path), synced=not self.engine.is_lora)
-            committed[0] = self.ledger.committed_version()
+            committed = [self.ledger.committed_version(), self.ledger.committed_step()]
             removed = self.ckpt.discard_after(committed[0])
             if removed:
                 log.warning("discarded uncommitted checkpoint files: %s", [str(p) for p in removed])
+            if self.sync is None:
+                log.warning("no rollout side (no replica, no proxy): versions are committed, none is synced")
         torch.distributed.broadcast_object_list(committed, src=0)
-        self.version = int(committed[0])
+        self.version, self.steps_done = int(committed[0]), int(committed[1])
         self.restored = restore_checkpoint(self.engine, self.ckpt, self.version)
         if self.restored == "weights-only":
             log.warning("version %d has no engine state: weights restored, optimizer state starts fresh", self.version)
@@ -247,7 +258,7 @@ class Learner:
             assert self.ledger is not None
             info = self.ledger.version(self.version)
             if info is not None and not info.synced:
-                failure = self._sync(self.version, Path(info.checkpoint_path))
+                _, failure = self._sync(self.version, Path(info.checkpoint_path))
         self._stop_on_failed_sync(failure)
         return self.version
 
@@ -263,7 +274,7 @@ class Learner:
             self.metrics.serve(self.settings.metrics_port)
         self.resume()
         outcomes: list[StepOutcome] = []
-        while self.version < self.settings.steps:
+        while self.steps_done < self.settings.steps:
             outcome = self.step()
             if outcome is None:
                 break
@@ -272,7 +283,7 @@ class Learner:
 
     def step(self) -> StepOutcome | None:
         """One step (collective). None when no claim arrived within ``wait_timeout_s``."""
-        step = self.version + 1
+        step = self.steps_done + 1
         started = time.perf_counter()
         claim = self._wait_for_claim()
         if claim is None:
@@ -287,13 +298,14 @@ class Learner:
         mine: list[Any] = [None]
         torch.distributed.scatter_object_list(mine, payload if self.main else None, src=0)
         plan: _Plan = mine[0]
+        version = self.version if plan.empty else self.version + 1
 
         train_started = time.perf_counter()
         result = None if plan.empty else self._train(plan.mini_batches)
         train_seconds = time.perf_counter() - train_started
 
         save_started = time.perf_counter()
-        path = self._carry_over(step) if plan.empty else save_checkpoint(self.engine, self.ckpt, step)
+        path = None if plan.empty else save_checkpoint(self.engine, self.ckpt, version)
         save_seconds = time.perf_counter() - save_started
         if self.hooks.after_save:
             self.hooks.after_save(step)
@@ -302,14 +314,17 @@ class Learner:
         metrics: dict[str, Any] = {}
         if self.main:
             assert self.ledger is not None and claim is not None
-            metrics = _step_metrics(step, info, result, train_seconds, save_seconds)
+            metrics = _step_metrics(step, version, info, result, train_seconds, save_seconds)
             if plan.empty:
                 metrics["skipped_reason"] = _skipped_reason(info)
-                log.warning("step %d trains nothing (%s): version %d keeps version %d's weights", step,
-                            metrics["skipped_reason"], step, self.version)
+                log.warning("step %d trains nothing (%s): no new version, the policy stays at version %d", step,
+                            metrics["skipped_reason"], version)
             metrics["step_seconds"] = time.perf_counter() - started
             try:
-                self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys)
+                if path is None:
+                    self.ledger.consume(step, _json_safe(metrics), claim.keys)
+                else:
+                    self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys, version=version)
             except CommitRefused as exc:
                 self.metrics.commit_refusals.inc()
                 status[0] = str(exc)
@@ -318,17 +333,18 @@ class Learner:
         torch.distributed.broadcast_object_list(status, src=0)
         if status[0] is not None:
             raise CommitRefused(status[0])
-        self.version = step
+        self.version, self.steps_done = version, step
         if self.hooks.after_commit:
             self.hooks.after_commit(step)
 
         failure: Exception | None = None
-        if self.main:
-            self.ckpt.prune(step, spare=self._evaluated_versions_to_keep())
-            failure = self._sync(step, path, unchanged_since=step - 1 if plan.empty else None)
-            metrics["synced"] = failure is None
+        synced = False
+        if self.main and path is not None:
+            self.ckpt.prune(version, spare=self._evaluated_versions_to_keep())
+            synced, failure = self._sync(version, path)
+            metrics["synced"] = synced
         self._stop_on_failed_sync(failure)
-        return StepOutcome(step, step, metrics, True)
+        return StepOutcome(step, version, metrics, synced)
 
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
@@ -446,27 +462,18 @@ class Learner:
                                       sum_norm_tokens=self.settings.loss.sum_norm_tokens)
         return [weights[i, : row.num_tokens].numpy().astype(np.float32) for i, row in enumerate(rows)]
 
-    def _carry_over(self, step: int) -> Path:
-        """An empty step's version: the previous version's files, linked (collective: ranks wait for rank 0)."""
-        if self.main:
-            assert self.ledger is not None
-            previous = self.ledger.version(self.version)
-            assert previous is not None
-            self.ckpt.carry_over(Path(previous.checkpoint_path), self.version, step)
-        torch.distributed.barrier()
-        return self.ckpt.version_path(step)
-
-    def _sync(self, version: int, path: Path, unchanged_since: int | None = None) -> SyncFailed | None:
-        """Rank 0: sync ``version``; the failure to stop the run with, or None when every replica has it.
-        ``unchanged_since``: the version whose weights these are (an empty step), so a relabel is enough."""
-        assert self.sync is not None and self.ledger is not None
-        report: SyncReport = (self.sync.sync(version, path) if unchanged_since is None
-                              else self.sync.relabel(version, unchanged_since, path))
+    def _sync(self, version: int, path: Path) -> tuple[bool, SyncFailed | None]:
+        """Rank 0: sync ``version``. Whether every replica has it, and the failure to stop the run with;
+        (False, None) without a rollout side, where nothing is synced and nothing fails."""
+        assert self.ledger is not None
+        if self.sync is None:
+            return False, None
+        report: SyncReport = self.sync.sync(version, path)
         self.metrics.observe_sync(version, report.ok, report.seconds)
         if report.ok:
             self.ledger.mark_synced(version)
-            return None
-        return SyncFailed(report, self.sync.tries, self.sync.timeout_s)
+            return True, None
+        return False, SyncFailed(report, self.sync.tries, self.sync.timeout_s)
 
     def _stop_on_failed_sync(self, failure: Exception | None) -> None:
         """Collective: every rank raises rank 0's sync failure, so no rank waits for a step that never comes."""
@@ -565,9 +572,9 @@ def _merge_updates(results: list[StepResult], seconds: float) -> StepResult:
     )
 
 
-def _step_metrics(step: int, info: dict[str, Any], result: Any, train_seconds: float,
+def _step_metrics(step: int, version: int, info: dict[str, Any], result: Any, train_seconds: float,
                   save_seconds: float) -> dict[str, Any]:
-    metrics: dict[str, Any] = {"step": step, "policy_version": step, **info,
+    metrics: dict[str, Any] = {"step": step, "policy_version": version, **info,
                                "train_seconds": train_seconds, "checkpoint_seconds": save_seconds}
     if result is None:
         metrics.update(empty_step=1, trained_tokens=0)
@@ -625,9 +632,12 @@ def _json_safe(metrics: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def default_weight_sync(settings: LearnerSettings) -> WeightSync:
+def default_weight_sync(settings: LearnerSettings) -> WeightSync | None:
+    """The sync to the settings' replicas and proxies; None without either (no rollout side)."""
+    if not settings.replicas:
+        return None  # LearnerSettings refuses proxies without replicas
     lora = settings.lora_name if settings.engine.lora is not None else None
-    if lora is None and settings.replicas:
+    if lora is None:
         check_inplace_reload(settings.model_dir)
     # URLs, or dns://NAME:PORT resolved at each sync
     replicas = ReplicaSet(settings.replicas, lora_name=lora, timeout_s=settings.sync_timeout_s)

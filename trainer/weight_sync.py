@@ -16,8 +16,10 @@ caller only marks it synced in the store) when *every* replica loaded it; replic
 whatever happens, so a failed sync never leaves harnesses hanging.
 
 Replicas are a fixed list of base URLs or a DNS name re-resolved at every sync (``dns://NAME:PORT``, the
-rollout's headless Service on a cluster: every Ready vLLM pod, however the Deployment was scaled). A name
-that resolves to nothing fails the sync: syncing no replica is not a successful sync.
+rollout's headless Service on a cluster: every Ready vLLM pod, however the Deployment was scaled). Syncing
+no replica is not a successful sync: a name that resolves to nothing fails the sync, and so does an empty
+list. A learner with no rollout side at all (offline training from a stored trace) has no weight sync: it
+commits versions that nothing serves, and the store does not call them synced.
 
 Two small interfaces keep the mechanism replaceable: :class:`RolloutGate` (pause, announce version, resume
 for proxies) and :class:`Replica` (pause, load, label, resume, probe).
@@ -382,8 +384,8 @@ class WeightSync:
     """Loads a version on every replica behind paused replicas and gate (the module docstring has the rules).
 
     ``replicas``: a fixed list, or a callable giving the replicas of each sync (:meth:`ReplicaSet.current`).
-    An empty fixed list is a learner with no rollout side (tests, offline training): nothing to load, and
-    the version is announced to the gate alone. ``timeout_s``: no retry starts later than this after the
+    A sync that finds no replica fails: the gate would otherwise announce a version no replica loaded, and
+    its proxies record calls under it. ``timeout_s``: no retry starts later than this after the
     sync began (``spec.weightSync.timeoutSeconds``; each replica's requests carry the same bound).
     """
 
@@ -442,6 +444,8 @@ class WeightSync:
         resolved = True
         try:
             replicas = self._current()
+            if not replicas:
+                raise SyncError(f"no vLLM replica to load version {version} into: syncing none is not a sync")
         except SyncError as exc:
             resolved = False
             results.append(ReplicaResult(str(self.replicas), False, 1, 0.0, _one_line(exc)))
@@ -471,27 +475,6 @@ class WeightSync:
             log.error("weight sync of version %d: replicas failed %s, proxies failed %s", version,
                       {r.name: r.error for r in results if not r.ok}, gate_errors)
         return report
-
-    def relabel(self, version: int, previous: int, checkpoint: Path) -> SyncReport:
-        """``version`` has the weights of ``previous`` (a step that trained nothing): replicas labelled
-        ``previous`` only change their label and the gate learns the version, with no pause and no reload.
-        A replica labelled otherwise (one that joined since, or missed a sync) gets the full :meth:`sync`."""
-        started = time.perf_counter()
-        self._deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        try:
-            replicas = self._current()
-            labels = {r.name: self._retry(r.served_version, what=f"{r.name} weight_info") for r in replicas}
-        except Exception as exc:  # noqa: BLE001 - the full sync reports it per replica
-            log.warning("relabelling version %d: %s; syncing it in full", version, _one_line(exc))
-            return self.sync(version, checkpoint)
-        if any(label != str(previous) for label in labels.values()):
-            log.info("version %d: replicas serve %s, not %d; syncing it in full", version, labels, previous)
-            return self.sync(version, checkpoint)
-        errors = self._each(replicas, lambda r: r.set_version(version))
-        results = [ReplicaResult(r.name, r.name not in errors, 1, 0.0, errors.get(r.name)) for r in replicas]
-        ok = not errors
-        gate_errors = {f"version {k}": v for k, v in self.gate.set_version(version).items()} if ok else {}
-        return SyncReport(version, ok, results, GateReport({}), gate_errors, time.perf_counter() - started)
 
 
 def _one_line(exc: BaseException) -> str:

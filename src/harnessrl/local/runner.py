@@ -38,6 +38,7 @@ from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
 from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
+from harnessrl.policy_serving import SERVED_MODEL_NAME, is_lora, lora_flags, served_model_name
 from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.evaluation import evaluation_sampling
@@ -49,8 +50,6 @@ from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
 
 log = logging.getLogger(__name__)
-
-SERVED_MODEL_NAME = "policy"
 
 
 class RunError(RuntimeError):
@@ -153,18 +152,25 @@ class LocalRun:
         store.ensure_run(self.name, self.run.model_dump(mode="json", by_alias=True, exclude_none=True))
         write_run_file(self.run_dir, self.name, self.store_url)
         ledger = LearnerLedger(store, self.name)
-        ledger.ensure_base_version(str(self.model_dir))
+        lora = is_lora(self.spec)
+        if not lora:  # a LoRA run's version 0 is the learner's fresh adapter, written and loaded by the learner
+            ledger.ensure_base_version(str(self.model_dir))
         version = ledger.committed_version()
-        if version >= self.steps:
+        done = ledger.committed_step()
+        if done >= self.steps:
             self._report(store)
-            print(f"run {self.name} already finished {version} steps; nothing to do")
+            print(f"run {self.name} already finished {done} steps; nothing to do")
             return 0
-        serving = Path(ledger.version(version).checkpoint_path) if version else self.model_dir
+        committed = ledger.version(version)
+        # vLLM starts on the base model under LoRA (the adapter is loaded into it), else on the newest weights
+        serving = Path(committed.checkpoint_path) if version and not lora else self.model_dir
         with ExitStack() as stack:  # unwinds in reverse: harnesses, then learner and proxy, then vLLM
             upstream = self._upstream(stack, serving)
             stack.callback(self._stop_children)
-            if version and not ledger.version(version).synced:
-                ledger.mark_synced(version)  # the server was just started on that very checkpoint
+            if lora and committed is not None:
+                self._load_adapter(upstream, version, Path(committed.checkpoint_path))
+            if committed is not None and not committed.synced:
+                ledger.mark_synced(version)  # the server was just started on (or loaded) that very version
             proxy_url = self._start_proxy(upstream, version)
             verifier = self.spec.harness.verifier
             backend = ProcessBackend(
@@ -212,8 +218,9 @@ class LocalRun:
             if deadline is not None and time.monotonic() - started > deadline:
                 raise RunError(f"DeadlineExceeded: the run ran longer than spec.activeDeadlineSeconds={deadline} "
                                "— raise it or remove it, then run the same command to resume")
-            version = store.latest_policy_version(self.name, synced_only=True) or 0
-            scheduler.reconcile(version)
+            version = store.latest_policy_version(self.name, synced_only=True)
+            if version is not None:  # None: a LoRA run whose learner has not loaded version 0's adapter yet
+                scheduler.reconcile(version)
             line = progress_line(summarize(store, self.name), self.steps)
             if live:
                 print("\r" + line.ljust(len(last_line)), end="", flush=True)
@@ -260,12 +267,27 @@ class LocalRun:
             return base
         print(f"starting vLLM on {serving} (log {self.run_dir / 'vllm.log'}) ...", flush=True)
         server: VllmServer = start_vllm(
-            serving, self.run_dir / "vllm.log", served_name=SERVED_MODEL_NAME,
-            max_model_len=self.spec.rollout.max_model_len, extra_args=self.spec.rollout.args,
+            serving, self.run_dir / "vllm.log", served_name=served_model_name(self.spec),
+            max_model_len=self.spec.rollout.max_model_len, extra_args=lora_flags(self.spec) + self.spec.rollout.args,
         )
         stack.callback(server.stop)
         self._vllm = server
         return server.base_url
+
+    def _load_adapter(self, upstream: str, version: int, adapter: Path) -> None:
+        """Resume a LoRA run: load the last committed adapter into the server under the policy's name and label
+        the server with its version, before any harness runs (as the learner's weight sync does)."""
+        from harnessrl.trainer.weight_sync import SyncError, VllmReplica
+
+        replica = VllmReplica(upstream, lora_name=SERVED_MODEL_NAME, timeout_s=float(self.spec.weight_sync.timeout_seconds))
+        try:
+            replica.load(adapter, version)
+            replica.set_version(version)
+        except SyncError as exc:
+            raise RunError(f"could not load version {version}'s adapter {adapter} into the policy server: {exc}") from None
+        finally:
+            replica.client.close()
+        print(f"loaded version {version}'s adapter {adapter} as {SERVED_MODEL_NAME!r}", flush=True)
 
     def _start_proxy(self, upstream: str, version: int) -> str:
         port = free_port()

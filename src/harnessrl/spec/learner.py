@@ -150,7 +150,7 @@ class Learner(SpecModel):
     micro_batch_tokens: int = Field(default=32768, ge=1)
     """Tokens per forward/backward pass; rows are packed up to this."""
     tasks_per_step: int = Field(default=8, ge=1)
-    """Task groups whose rollouts make up one learner step (one new policy version)."""
+    """Task groups whose rollouts make up one learner step."""
     mini_batches: int = Field(default=1, ge=1)
     """Optimizer updates per learner step, each on one part of the step's rollouts (nearly equal rollout counts,
     a rollout's rows together, at most one part per rollout), all clipped against the policy at the start of
@@ -159,7 +159,8 @@ class Learner(SpecModel):
     max_staleness: int = Field(default=1, ge=0)
     """How many policy versions a rollout may lag behind the learner and still be trained on."""
     steps: int = Field(default=100, ge=1)
-    """Learner steps, each ending in a new policy version; the run succeeds after the last one."""
+    """Learner steps; the run succeeds after the last one. A step that trains makes a new policy version; one
+    whose groups give nothing to train (equal rewards) consumes them, counts, and makes none."""
     gradient_clip: float = Field(default=1.0, gt=0)
     """Global gradient-norm clip."""
     gradient_checkpointing: bool = True

@@ -5,8 +5,13 @@ metrics, (c) the rollout attempts it trained on marked consumed. :meth:`LearnerL
 in **one** transaction and refuses, writing nothing, when the version or step already exists or any attempt
 is already consumed. That is what makes a learner killed at any point safe to restart: before the commit
 nothing counts (the checkpoint on disk is a leftover and the attempts are still unconsumed, so the step is
-redone); after it everything counts and is never redone. Step ``n`` always produces version ``n``; version 0 is
-the base model.
+redone); after it everything counts and is never redone. Version 0 is the base model (or a LoRA run's fresh
+adapter).
+
+A step that trains nothing (every group had equal rewards, or no row had a generated token) makes no policy
+version: :meth:`LearnerLedger.consume` writes (b) and (c) alone, and the step record keeps the version the
+policy stays at. So steps and versions are numbered apart: ``learner_steps.policy_version`` is the version
+the policy is at after each step, and a version number always means new weights.
 
 Claiming does not lock: exactly one learner runs per TrainingRun, and a second one that raced would have
 its commit refused instead of double-training.
@@ -15,10 +20,12 @@ its commit refused instead of double-training.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Engine, func, insert, select, tuple_, update
+from sqlalchemy import Connection, Engine, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store.engine import WRITE_OPTION
@@ -96,6 +103,12 @@ class LearnerLedger:
                     run=self.run, version=0, checkpoint_path=checkpoint_path, created_at=now, synced=synced,
                     synced_at=now if synced else None,
                 ))
+
+    def committed_step(self) -> int:
+        """The newest learner step the store counts, trained or not (0 when none was committed)."""
+        with self._engine.connect() as conn:
+            value = conn.scalar(select(func.max(LearnerStep.step)).where(LearnerStep.run == self.run))
+        return int(value or 0)
 
     def committed_version(self) -> int:
         """The newest policy version the store counts (0 when no step was committed)."""
@@ -184,24 +197,53 @@ class LearnerLedger:
     # -- committing --------------------------------------------------------------------------------------------
 
     def commit(self, step: int, checkpoint_path: str, metrics: dict[str, Any] | None,
-               consumed: list[tuple[str, int]]) -> None:
-        """Insert policy version ``step`` + the step record and mark ``consumed``, in one transaction.
+               consumed: list[tuple[str, int]], version: int | None = None) -> int:
+        """Insert policy ``version`` + the step record and mark ``consumed``, in one transaction; returns the
+        version. ``version`` None: the next one after the newest (the learner passes the one it saved).
 
-        Raises :class:`CommitRefused` (and writes nothing) when version/step ``step`` exists already, or an
-        attempt does not exist in this run or was consumed by another step.
+        Raises :class:`CommitRefused` (and writes nothing) when the version or step ``step`` exists already,
+        or an attempt does not exist in this run or was consumed by another step.
         """
+        with self._recording(step, consumed) as conn:
+            if version is None:
+                newest = conn.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.run == self.run))
+                version = int(newest or 0) + 1
+            if version < 1:
+                raise ValueError(f"version: {version} must be >= 1 (version 0 is the base model)")
+            conn.execute(insert(PolicyVersion).values(
+                run=self.run, version=version, checkpoint_path=checkpoint_path, created_at=utcnow(), synced=False,
+            ))
+            conn.execute(insert(LearnerStep).values(
+                run=self.run, step=step, policy_version=version, metrics=metrics, created_at=utcnow(),
+            ))
+        return version
+
+    def consume(self, step: int, metrics: dict[str, Any] | None, consumed: list[tuple[str, int]]) -> int:
+        """Record a step that trained nothing: its record (at the version the policy stays at, which is
+        returned) and its attempts marked consumed, in one transaction, with no new policy version.
+
+        The rollouts are consumed all the same, so the scheduler's bound on outstanding groups moves on and no
+        later step claims them. Refusals as :meth:`commit`.
+        """
+        with self._recording(step, consumed) as conn:
+            newest = conn.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.run == self.run))
+            version = int(newest or 0)
+            conn.execute(insert(LearnerStep).values(
+                run=self.run, step=step, policy_version=version, metrics=metrics, created_at=utcnow(),
+            ))
+        return version
+
+    @contextmanager
+    def _recording(self, step: int, consumed: list[tuple[str, int]]) -> Iterator[Connection]:
+        """One transaction for a step's record (written by the caller) and its consumed marks (written here,
+        after it: they refer to the step record). Anything that fails rolls all of it back."""
         if step < 1:
-            raise ValueError(f"step: {step} must be >= 1 (version 0 is the base model)")
+            raise ValueError(f"step: {step} must be >= 1")
         pairs = sorted(set(consumed))
         now = utcnow()
         try:
             with self._writer.begin() as conn:
-                conn.execute(insert(PolicyVersion).values(
-                    run=self.run, version=step, checkpoint_path=checkpoint_path, created_at=now, synced=False,
-                ))
-                conn.execute(insert(LearnerStep).values(
-                    run=self.run, step=step, policy_version=step, metrics=metrics, created_at=now,
-                ))
+                yield conn
                 marked = 0
                 for start in range(0, len(pairs), CHUNK):
                     chunk = pairs[start:start + CHUNK]
@@ -221,7 +263,7 @@ class LearnerLedger:
                     )
         except IntegrityError:
             raise CommitRefused(
-                f"step {step} of run {self.run!r}: policy version {step} or step {step} is already committed "
+                f"step {step} of run {self.run!r}: the step or its policy version is already committed "
                 "(is another learner running for this run?); nothing was recorded"
             ) from None
 

@@ -1,0 +1,52 @@
+"""How a TrainingRun's policy is served by vLLM: the model names and the flags the spec decides.
+
+One mapping for ``harnessrl run`` (``local/runner.py``) and the operator (``operator/render_rollout.py``), so
+a run serves the same way on one machine and on a cluster.
+
+Names. Harnesses, the proxy and the learner's probes always ask for :data:`SERVED_MODEL_NAME`. With full-weight
+sync that is the served model itself, reloaded in place. With ``weightSync.method: lora`` it is the LoRA
+adapter, which the learner loads (``/v1/load_lora_adapter``, in place, under that one name) before the first
+rollout — version 0 is the fresh adapter — and after every step; the base model stays addressable under
+:data:`BASE_MODEL_NAME`. The two names must differ: vLLM routes a request to an adapter only by its name, and
+a base served as "policy" would answer every call with the base weights while the store attributed it to an
+adapter version.
+"""
+
+from __future__ import annotations
+
+from harnessrl.spec.models import TrainingRunSpec
+
+SERVED_MODEL_NAME = "policy"
+"""What harnesses ask for (``HARNESSRL_MODEL_NAME``) and the proxy sends upstream: the policy being trained."""
+BASE_MODEL_NAME = "policy-base"
+"""The base model's served name when the policy is a LoRA adapter on it."""
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``--max-lora-rank`` (``vllm.config.lora.MaxLoRARanks``)."""
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM accepts that holds an adapter of ``rank`` (vLLM refuses any other value)."""
+    for allowed in MAX_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"spec.learner.lora.rank: {rank} is above {MAX_LORA_RANKS[-1]}, the largest LoRA rank vLLM serves — "
+        "lower it"
+    )
+
+
+def is_lora(spec: TrainingRunSpec) -> bool:
+    return spec.weight_sync.method == "lora"
+
+
+def served_model_name(spec: TrainingRunSpec) -> str:
+    """vLLM's ``--served-model-name``: the policy itself, or the base model under a LoRA policy."""
+    return BASE_MODEL_NAME if is_lora(spec) else SERVED_MODEL_NAME
+
+
+def lora_flags(spec: TrainingRunSpec) -> list[str]:
+    """Runtime adapters, sized for the spec's rank (``VLLM_ALLOW_RUNTIME_LORA_UPDATING`` must be set too)."""
+    if not is_lora(spec):
+        return []
+    assert spec.learner.lora is not None  # the spec's rule: weightSync.method lora needs learner.lora
+    return ["--enable-lora", "--max-lora-rank", str(max_lora_rank(spec.learner.lora.rank))]
