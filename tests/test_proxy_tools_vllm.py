@@ -199,3 +199,27 @@ def test_two_interleaved_conversations_make_two_rows(captured, tokenizer):
     assert [len(row.call_ids) for row in result.rows] == [3, 3]
     finals = [calls[-2], calls[-1]]
     assert result.stats.row_tokens == sum(len(c.prompt_token_ids) + len(c.completion_token_ids) for c in finals)
+
+
+def test_tools_with_automatic_choice_continue_and_answer_what_the_parser_reads(captured, tokenizer):
+    """``tool_choice`` left to the model (the default with tools), tools without ``strict``: free text the
+    hermes parser reads. Each later call continues the previous one's tokens, and the client gets what the
+    server's parser made of them."""
+    proxy, store = captured
+    c = client(proxy, "auto")
+    used = continuity(proxy, "used")
+    loose = [{**tool, "function": {k: v for k, v in tool["function"].items() if k != "strict"}} for tool in TOOLS]
+    messages = list(TASK)
+    for turn in range(3):
+        message = c.chat.completions.create(model="m", messages=messages, tools=loose, max_tokens=8).choices[0].message
+        messages += [message.model_dump(exclude_none=True), {"role": "user", "content": f"go on {turn}"}]
+    assert continuity(proxy, "used") - used == 2
+    proxy.flush(60)
+    calls = store.read_calls("auto", 0)
+    for prev, call in itertools.pairwise(calls):
+        context = prev.prompt_token_ids + prev.completion_token_ids
+        assert call.prompt_token_ids[: len(context)] == context
+    for call in calls:
+        message = call.response["choices"][0]["message"]
+        text = tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
+        assert message.get("tool_calls") or text == message["content"]
