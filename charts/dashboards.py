@@ -125,6 +125,10 @@ def run_overview() -> Dashboard:
             timeseries("Zero-variance groups per second", "ops",
                        query(rate("harnessrl_learner_zero_variance_groups_total", "run"), "{{run}}"),
                        description="Task groups whose rewards were all equal: they give no gradient."),
+            timeseries("Evaluation on held-out tasks", "none",
+                       query(of("harnessrl_operator_evaluation_reward_mean", "max", "run"), "mean reward {{run}}"),
+                       query(of("harnessrl_operator_evaluation_pass_rate", "max", "run"), "pass rate {{run}}"),
+                       description="The newest complete evaluation round (spec.evaluation): never trained on."),
         ],
     })
 
