@@ -3,8 +3,8 @@
 Routes (every ``/v1/...`` route also under ``/rollouts/{rollout}/attempts/{attempt}``, which is how a shared
 gateway learns attribution; a sidecar takes it from its environment):
 
-``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (streamed or not; the
-Responses API's capture is in ``responses_api.py``), ``GET /v1/models``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (streamed or
+not; the Responses and Anthropic Messages captures are in ``responses_api.py`` and ``anthropic_api.py``), ``GET /v1/models``,
 ``POST /v1/reward``, ``POST /v1/rollout/finish``, ``GET /healthz``, ``GET /metrics``,
 ``POST /admin/pause``, ``POST /admin/resume``, ``GET /admin/state``, ``POST /admin/policy-version``,
 ``POST /admin/flush``.
@@ -42,7 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
-from . import protocol, responses_api
+from . import anthropic_api, protocol, responses_api
 from .call_log import log_call
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -138,9 +138,13 @@ def refuse_several_choices(body: dict[str, Any]) -> None:
     )
 
 
+WIRES = {"responses": responses_api, "messages": anthropic_api}
+
+
 def wire(route: str) -> Any:
-    """The module that knows a route's wire shapes: ``responses_api`` for ``/v1/responses``, else ``protocol``."""
-    return responses_api if route == "responses" else protocol
+    """The module that knows a route's wire shapes: ``responses_api`` for ``/v1/responses``,
+    ``anthropic_api`` for ``/v1/messages``, else ``protocol``."""
+    return WIRES.get(route, protocol)
 
 
 @dataclass
@@ -207,6 +211,7 @@ class CaptureProxy:
             app.router.add_post(prefix + "/v1/chat/completions", self.chat, name=named + "chat")
             app.router.add_post(prefix + "/v1/completions", self.completions, name=named + "completions")
             app.router.add_post(prefix + "/v1/responses", self.responses, name=named + "responses")
+            app.router.add_post(prefix + "/v1/messages", self.messages, name=named + "messages")
             app.router.add_get(prefix + "/v1/models", self.models, name=named + "models")
             app.router.add_post(prefix + "/v1/reward", self.reward, name=named + "reward")
             app.router.add_post(prefix + "/v1/rollout/finish", self.finish, name=named + "finish")
@@ -263,7 +268,7 @@ class CaptureProxy:
         if exc.status == 404:
             message = (
                 f"unknown route {request.method} {request.path}: the proxy serves /v1/chat/completions, "
-                "/v1/completions, /v1/responses, /v1/models, /v1/reward, /v1/rollout/finish (also under "
+                "/v1/completions, /v1/responses, /v1/messages, /v1/models, /v1/reward, /v1/rollout/finish (also under "
                 "/rollouts/{rollout}/attempts/{attempt}), /healthz, /metrics and /admin/*"
             )
             return json_error(404, message, code="not_found")
@@ -373,6 +378,9 @@ class CaptureProxy:
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await self._llm(request, "responses")  # type: ignore[arg-type]
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._llm(request, "messages")  # type: ignore[arg-type]
+
     async def _llm(self, request: web.Request, route: Route) -> web.StreamResponse:
         started = time.perf_counter()
         who = self.attribution(request)
@@ -404,8 +412,11 @@ class CaptureProxy:
                         route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling_for(who.rollout_id)
                     )
                 )
-                x = Exchange(route, who, body, wants, payload, ROUTE_PATHS.get(route, responses_api.PATH), started)
-                if route == "responses" and cfg.train and body.get("stream") is True:
+                shapes = wire(route)
+                convert = shapes.converter(body) if hasattr(shapes, "converter") else None
+                path = getattr(shapes, "PATH", None) or ROUTE_PATHS[route]
+                x = Exchange(route, who, body, wants, payload, path, started, convert)
+                if body.get("stream") is True and (route == "messages" or (route == "responses" and cfg.train)):
                     return await self._replayed(request, x)
                 return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
         except PausedError as exc:
@@ -468,8 +479,9 @@ class CaptureProxy:
         return web.Response(body=out, status=answer.status, content_type="application/json")
 
     async def _replayed(self, request: web.Request, x: Exchange) -> web.StreamResponse:
-        """A streamed Responses call in train mode: fetched whole, captured, then replayed to the harness as
-        vLLM's event stream (``responses_api.py`` says why); an error answer goes back as it came."""
+        """A streamed Responses call in train mode, or a streamed Messages call: fetched whole, captured, then
+        replayed to the harness as its API's event stream (``responses_api.py`` and ``anthropic_api.py`` say
+        why); an error answer goes back as it came."""
         answer = await self._unary(x)
         if answer.status != 200 or not isinstance(answer.body, bytes):
             return answer
@@ -479,7 +491,8 @@ class CaptureProxy:
         )
         await resp.prepare(request)
         try:
-            await resp.write(b"".join(map(responses_api.sse_bytes, responses_api.replay_events(loads(answer.body)))))
+            shapes = wire(x.route)
+            await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(loads(answer.body)))))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass  # the harness left after its call was stored: nothing to undo

@@ -1,0 +1,206 @@
+"""Anthropic Messages (``POST /v1/messages``) through the proxy: served as a chat completion, captured as one.
+
+vLLM 0.32 serves ``/v1/messages`` but answers it without token ids or log-probs whatever the request asks
+(measured: ``return_token_ids``/``logprobs`` are ignored, streamed or not), so the proxy cannot capture it
+there. Instead it translates the request into the chat completion vLLM's own Messages endpoint would run (the
+same messages, tools and sampling, rendered by the same chat template), sends that to
+``/v1/chat/completions`` with token ids and log-probs, and translates the answer back into an Anthropic
+message (text and ``tool_use`` blocks, ``stop_reason``, ``usage``). The call is stored with the harness's
+own request and the Anthropic answer it got, and the chat completion's exact token ids and log-probs.
+
+A streamed request is answered once the completion is whole, as Anthropic's event sequence
+(``message_start``, each block's start / delta / stop, ``message_delta``, ``message_stop``): exact capture
+over token-by-token delivery, as for the Responses API. Supported content: text, ``tool_use`` and
+``tool_result`` blocks (with text content); an image or document block gets a 400 naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import partial
+from typing import Any
+
+from .protocol import ClientWants, RequestError, Tokens, dumps
+from .protocol import tokens_from_response as chat_tokens
+
+PATH = "/v1/chat/completions"
+CAPTURE_KEY = "_harnessrl_tokens"  # carries the chat completion's tokens from ``from_chat`` to the capture
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def validate_request(route: str, body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError(f"request body must be a JSON object, got {type(body).__name__}")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty array of message objects", param="messages")
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise RequestError("'max_tokens' must be a positive integer (the Messages API requires it)",
+                           param="max_tokens")
+    chat_messages(body)  # every block understood, or a 400 naming it
+    return body
+
+
+def client_wants(route: str, body: Mapping[str, Any]) -> ClientWants:
+    return ClientWants(token_ids=False, logprobs=False)
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RequestError(f"'{where}' must be a string or an array of content blocks", param=where)
+    texts = []
+    for i, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+            raise RequestError(f"'{where}[{i}]' is a {kind!s} block; the proxy passes text blocks here",
+                               param=f"{where}[{i}]")
+        texts.append(block["text"])
+    return "".join(texts)
+
+
+def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The Anthropic ``system`` and ``messages`` as chat messages (tool uses as tool calls, results as tools)."""
+    out: list[dict[str, Any]] = []
+    if body.get("system") is not None:
+        out.append({"role": "system", "content": _text(body["system"], "system")})
+    for i, message in enumerate(body["messages"]):
+        where = f"messages[{i}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise RequestError(f"'{where}.role' must be \"user\" or \"assistant\"", param=f"{where}.role")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(f"'{where}.content' must be a string or an array of blocks", param=f"{where}.content")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        results: list[dict[str, Any]] = []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                calls.append({"id": block.get("id"), "type": "function", "function": {
+                    "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                                "content": _text(block.get("content") or "", f"{at}.content")})
+            else:
+                raise RequestError(f"'{at}' is a {kind!s} block in a {role} message; the proxy passes text, "
+                                   "tool_use (assistant) and tool_result (user) blocks", param=at)
+        out.extend(results)
+        if texts or calls or not results:
+            message_out: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            if calls:
+                message_out["tool_calls"] = calls
+            out.append(message_out)
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "tool":
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return {"auto": "auto", "any": "required", "none": "none"}.get(str(kind), "auto")
+
+
+def upstream_request(
+    route: str, body: Mapping[str, Any], *, train: bool, model: str | None, sampling: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The chat completion the Messages request amounts to (never streamed: see the module docstring)."""
+    out: dict[str, Any] = {"model": model or body.get("model"), "messages": chat_messages(body),
+                           "max_tokens": body["max_tokens"]}
+    for name, chat_name in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
+                            ("top_k", "top_k")):
+        if body.get(name) is not None:
+            out[chat_name] = body[name]
+    if body.get("tools"):
+        out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
+                                                          "parameters": t.get("input_schema") or {}}}
+                        for t in body["tools"] if isinstance(t, dict)]
+        if body.get("tool_choice") is not None:
+            out["tool_choice"] = _tool_choice(body["tool_choice"])
+    if train:
+        out.update(sampling)
+        out["return_token_ids"] = True
+        out["logprobs"] = True
+    return out
+
+
+def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+    """The Anthropic message for a chat completion answer, carrying its tokens for the capture."""
+    choice = (chat.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function") or {}
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except ValueError:
+            arguments = {"_raw": fn.get("arguments")}
+        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": arguments})
+    finish = choice.get("finish_reason")
+    stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
+    usage = chat.get("usage") or {}
+    tokens = chat_tokens("chat", chat)
+    return {
+        "id": chat.get("id"),
+        "type": "message",
+        "role": "assistant",
+        "content": content,
+        "model": body.get("model"),
+        "stop_reason": "stop_sequence" if stop_sequence else STOP_REASONS.get(str(finish), "end_turn"),
+        "stop_sequence": stop_sequence,
+        "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
+        CAPTURE_KEY: [tokens.prompt_token_ids, tokens.completion_token_ids, tokens.logprobs, tokens.finish_reason],
+    }
+
+
+def converter(body: Mapping[str, Any]) -> Any:
+    return partial(from_chat, body)
+
+
+def tokens_from_response(route: str, body: Mapping[str, Any]) -> Tokens:
+    carried = body.get(CAPTURE_KEY)
+    return Tokens(*carried) if isinstance(carried, list) and len(carried) == 4 else Tokens()
+
+
+def strip_unrequested(obj: dict[str, Any], wants: ClientWants) -> dict[str, Any]:
+    if CAPTURE_KEY not in obj:
+        return obj
+    return {k: v for k, v in obj.items() if k != CAPTURE_KEY}
+
+
+def sse_bytes(obj: Mapping[str, Any]) -> bytes:
+    return f"event: {obj.get('type')}\n".encode() + b"data: " + dumps(obj) + b"\n\n"
+
+
+def replay_events(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Anthropic's stream for a whole ``message``: each block started, given in one delta, stopped."""
+    start = {**message, "content": [], "stop_reason": None, "stop_sequence": None,
+             "usage": {**(message.get("usage") or {}), "output_tokens": 0}}
+    events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
+    for index, block in enumerate(message.get("content") or []):
+        if block.get("type") == "tool_use":
+            opened = {**block, "input": {}}
+            delta = {"type": "input_json_delta", "partial_json": json.dumps(block.get("input") or {})}
+        else:
+            opened = {**block, "text": ""}
+            delta = {"type": "text_delta", "text": block.get("text") or ""}
+        events += [{"type": "content_block_start", "index": index, "content_block": opened},
+                   {"type": "content_block_delta", "index": index, "delta": delta},
+                   {"type": "content_block_stop", "index": index}]
+    events += [{"type": "message_delta", "delta": {"stop_reason": message.get("stop_reason"),
+                                                   "stop_sequence": message.get("stop_sequence")},
+                "usage": {"output_tokens": (message.get("usage") or {}).get("output_tokens", 0)}},
+               {"type": "message_stop"}]
+    return events
