@@ -135,3 +135,20 @@ def test_policy_versions_synced_flag(store: TraceStore) -> None:
     assert store.latest_policy_version("nobody") is None
     with pytest.raises(NotFound):
         store.mark_policy_synced("run", 9)
+
+
+def test_a_group_is_created_in_one_call_and_again_is_a_no_op(store: TraceStore) -> None:
+    store.add_tasks("run", [{"id": "t"}])
+    ids = store.create_rollouts("run", "t", [("g0-0", 0), ("g0-1", 1)])
+    assert ids == ["g0-0", "g0-1"]
+    assert store.create_rollouts("run", "t", [("g0-0", 0), ("g0-1", 1)]) == ids  # a repeated pass
+    attempts = store.list_attempts("run")
+    assert [(a.rollout_id, a.group_index, a.attempt, a.state) for a in attempts] == [
+        ("g0-0", 0, 0, RolloutState.QUEUED),
+        ("g0-1", 1, 0, RolloutState.QUEUED),
+    ]
+    with pytest.raises(ValueError, match="rollout 'g0-1' already exists for run 'run', task 't', group index 1"):
+        store.create_rollouts("run", "t", [("g0-2", 0), ("g0-1", 5)])
+    assert len(store.list_attempts("run")) == 2  # nothing of the refused call was kept
+    with pytest.raises(NotFound, match="task 'nope'"):
+        store.create_rollouts("run", "nope", [("x", 0)])

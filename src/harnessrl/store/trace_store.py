@@ -146,11 +146,31 @@ class TraceStore:
         """Create a rollout with attempt 0 queued; creating the same ``rollout_id`` again is a no-op.
 
         With ``evaluated_version`` it is an evaluation rollout of that policy version (never trained on)."""
-        rollout_id = check_id(rollout_id or uuid.uuid4().hex, "rollout_id")
+        [created] = self.create_rollouts(
+            run, task_id, [(rollout_id or uuid.uuid4().hex, group_index)], evaluated_version
+        )
+        return created
+
+    def create_rollouts(
+        self,
+        run: str,
+        task_id: str,
+        rollouts: Sequence[tuple[str, int]],
+        evaluated_version: int | None = None,
+    ) -> list[str]:
+        """``create_rollout`` for several (rollout_id, group_index) of one task in one transaction: a whole
+        group at once, as the scheduler creates them (one transaction per rollout was a fifth of the
+        operator's CPU at concurrency 60)."""
+        ids = [check_id(rollout_id, "rollout_id") for rollout_id, _ in rollouts]
+        wanted = {
+            rollout_id: (run, task_id, index, evaluated_version)
+            for rollout_id, (_, index) in zip(ids, rollouts, strict=True)
+        }
         with self._writer.begin() as conn:
             if conn.scalar(select(Task.task_id).where(Task.run == run, Task.task_id == task_id)) is None:
                 raise NotFound(f"task {task_id!r} of run {run!r} does not exist; add it with add_tasks first")
             now = utcnow()
+            kind = TRAIN if evaluated_version is None else EVALUATION
             conn.execute(
                 self._insert(Rollout).on_conflict_do_nothing(),
                 [
@@ -158,28 +178,30 @@ class TraceStore:
                         "rollout_id": rollout_id,
                         "run": run,
                         "task_id": task_id,
-                        "group_index": group_index,
+                        "group_index": index,
                         "created_at": now,
-                        "kind": TRAIN if evaluated_version is None else EVALUATION,
+                        "kind": kind,
                         "evaluated_version": evaluated_version,
                     }
+                    for rollout_id, (_, _, index, _) in wanted.items()
                 ],
             )
             stored = conn.execute(
-                select(Rollout.run, Rollout.task_id, Rollout.group_index, Rollout.evaluated_version).where(
-                    Rollout.rollout_id == rollout_id
-                )
-            ).one()
-            if tuple(stored) != (run, task_id, group_index, evaluated_version):
-                raise ValueError(
-                    f"rollout {rollout_id!r} already exists for run {stored.run!r}, task {stored.task_id!r}, "
-                    f"group index {stored.group_index}; pick another rollout_id"
-                )
+                select(
+                    Rollout.rollout_id, Rollout.run, Rollout.task_id, Rollout.group_index, Rollout.evaluated_version
+                ).where(Rollout.rollout_id.in_(ids))
+            )
+            for row in stored:
+                if tuple(row)[1:] != wanted[row.rollout_id]:
+                    raise ValueError(
+                        f"rollout {row.rollout_id!r} already exists for run {row.run!r}, task {row.task_id!r}, "
+                        f"group index {row.group_index}; pick another rollout_id"
+                    )
             conn.execute(
                 self._insert(RolloutAttempt).on_conflict_do_nothing(),
-                [attempt_row(rollout_id, 0, run, RolloutState.QUEUED, now)],
+                [attempt_row(rollout_id, 0, run, RolloutState.QUEUED, now) for rollout_id in wanted],
             )
-        return rollout_id
+        return ids
 
     def _state(self, conn: Connection, rollout_id: str, attempt: int) -> RolloutState:
         state = conn.scalar(
