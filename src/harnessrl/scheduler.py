@@ -201,6 +201,7 @@ class RolloutScheduler:
         active = self.store.list_attempts(self.settings.run, states=ACTIVE)
         self._enforce_deadlines(active, status)
         self._retry_failures(status)
+        self._requeue_cancelled_evaluations(status)
         if not finishing:
             self._create_groups(status)
         self._create_evaluation(policy_version, status, finishing)
@@ -306,6 +307,19 @@ class RolloutScheduler:
             queued += self.settings.group_size
             status.groups_created += 1
         status.outstanding_groups = outstanding
+
+    def _requeue_cancelled_evaluations(self, status: SchedulerStatus) -> None:
+        """An evaluation rollout cancelled by a stop (Ctrl-C, a suspend) runs again once the run goes on: unlike
+        a training group, which trains with what it has, a round scores a version only once all of it ran."""
+        cancelled = [attempt for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.CANCELLED,))
+                     if is_evaluation(attempt.rollout_id)]
+        if not cancelled:
+            return
+        latest = self.store.latest_attempts(attempt.rollout_id for attempt in cancelled)
+        for attempt in cancelled:
+            if latest.get(attempt.rollout_id) == attempt.attempt:
+                self.store.new_attempt(attempt.rollout_id)
+                status.retried += 1
 
     def _create_evaluation(self, policy_version: int, status: SchedulerStatus, finishing: bool) -> None:
         schedule = self.settings.evaluation
