@@ -458,9 +458,9 @@ class RunController:
         if self.run.spec.evaluation is None:
             return False
         self.scheduler.reconcile(observed.policy_version, finishing=True)
+        observed.evaluation = evaluation_results(self.store, self.name, self.run.spec.evaluation)  # as it ends
         if not self.scheduler.evaluation_pending():
             return False
-        observed.evaluation = evaluation_results(self.store, self.name, self.run.spec.evaluation)
         observed.counts = self.store.count_attempts(self.name)
         observed.phase, observed.reason = Phase.RUNNING, Reason.RUNNING
         observed.message = f"trained {observed.step} steps; evaluating policy v{observed.policy_version}"
