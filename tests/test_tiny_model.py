@@ -117,3 +117,6 @@ def test_tool_markers_are_single_tokens_kept_in_decoded_text(tiny: Path) -> None
     ids = tok.encode('<tool_call>\n{"name": "f"}\n</tool_call>')
     assert ids[0] == tok.convert_tokens_to_ids("<tool_call>") and ids[-1] == tok.convert_tokens_to_ids("</tool_call>")
     assert tok.decode(ids, skip_special_tokens=True) == '<tool_call>\n{"name": "f"}\n</tool_call>'
+    ids = tok.encode("<think>plan</think>answer")
+    assert ids[0] == tok.convert_tokens_to_ids("<think>") and tok.convert_tokens_to_ids("</think>") in ids
+    assert tok.decode(ids, skip_special_tokens=True) == "<think>plan</think>answer"

@@ -18,9 +18,11 @@ from pathlib import Path
 import click
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Qwen2.5's tool markers: ordinary (non-special) added tokens, so they survive `skip_special_tokens` in the
-# server's output text, where vLLM's `hermes` tool parser looks for them (it refuses a vocabulary without them).
+# Qwen2.5's tool markers and Qwen3's reasoning markers: ordinary (non-special) added tokens, so they survive
+# `skip_special_tokens` in the server's output text, where vLLM's `hermes` tool parser and `deepseek_r1` /
+# `qwen3` reasoning parsers look for them (they refuse a vocabulary without them).
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+THINK_TOKENS = ["<think>", "</think>"]
 
 # ChatML as Qwen2.5 renders it, tools included: with ``tools`` the system message lists them in <tools></tools>
 # and says how to call them; an assistant's ``tool_calls`` render as <tool_call> JSON blocks (``arguments`` as
@@ -115,7 +117,7 @@ def _corpus(rng: random.Random, lines: int) -> list[str]:
 
 def build_tokenizer(path: Path, cfg: TinyModelConfig):
     """Train a byte-level BPE tokenizer on generated text and save it as a transformers fast tokenizer
-    (``cfg.vocab_size`` tokens in all: the trained ones, the chat tokens and the tool markers)."""
+    (``cfg.vocab_size`` tokens in all: the trained ones, the chat tokens, the tool and reasoning markers)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -123,13 +125,13 @@ def build_tokenizer(path: Path, cfg: TinyModelConfig):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=cfg.vocab_size - len(TOOL_TOKENS),
+        vocab_size=cfg.vocab_size - len(TOOL_TOKENS) - len(THINK_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(random.Random(cfg.seed), 4000), trainer=trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS + THINK_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
