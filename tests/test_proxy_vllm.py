@@ -219,17 +219,10 @@ def test_token_continuity_falls_back_when_things_do_not_line_up(captured):
     edited = [dict(m) for m in messages]
     edited[2]["content"] += " (edited by the harness)"
     c.chat.completions.create(model="m", messages=edited, max_tokens=4)  # not an extension
-    c.chat.completions.create(
-        model="m", messages=[*edited, {"role": "assistant", "content": "x"}], max_tokens=2, n=2
-    )
     text = httpx.get(f"{proxy.url}/metrics").text
     assert (
         metric_value(text, "harnessrl_proxy_token_continuity_total", outcome="not_an_extension") or 0
     ) >= 1
-    assert (
-        metric_value(text, "harnessrl_proxy_token_continuity_total", outcome="n_above_1")
-        or metric_value(text, "harnessrl_proxy_token_continuity_total", outcome="not_an_extension")
-    ) >= 1
     proxy.flush(60)
     calls = store.read_calls("fallback", 0)
-    assert [call.status for call in calls] == [CallStatus.OK] * 3
+    assert [call.status for call in calls] == [CallStatus.OK] * 2
