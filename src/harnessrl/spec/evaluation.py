@@ -21,8 +21,8 @@ class Evaluation(SpecModel):
     """Score the policy on held-out tasks at version 0 and every ``everySteps`` versions."""
 
     tasks: Tasks
-    """The evaluation tasks: the same sources as harness.tasks (configMap, file or inline), run by the same
-    harness. Keep them apart from the training tasks, or the score measures memorisation."""
+    """The held-out tasks, from the same sources as harness.tasks. They run through the same harness (configMap,
+    file or inline); keep them apart from the training tasks, or the score measures memorisation."""
     every_steps: int = Field(default=10, ge=1)
     """Evaluate every policy version that is a multiple of this (10: versions 10, 20, ...); the newest
     version serving when the number is reached is the one evaluated."""
