@@ -155,11 +155,6 @@ def _run(main: object) -> None:
     metavar="JSON",
     help="Sampling fields for evaluation rollouts' calls, over --sampling. [env HARNESSRL_EVALUATION_SAMPLING]",
 )
-@click.option(
-    "--evaluation-sampling",
-    metavar="JSON",
-    help="Sampling fields for evaluation rollouts' calls, over --sampling. [env HARNESSRL_EVALUATION_SAMPLING]",
-)
 @click.option("--policy-version", type=int, help="Policy version at start. [env HARNESSRL_POLICY_VERSION]")
 @click.option(
     "--spool",
