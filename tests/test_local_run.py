@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from sqlalchemy.exc import OperationalError
 
 from harnessrl.local.report import summarize
 from harnessrl.store import CallStatus, RolloutState, TraceStore
@@ -62,8 +63,11 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, TraceS
         while time.monotonic() < deadline and first.poll() is None:
             if (run_dir / "trace.sqlite").exists():
                 with TraceStore.connect(db) as peek:
-                    if LearnerLedger(peek, "e2e").committed_version() >= INTERRUPT_AT:
-                        break
+                    try:
+                        if LearnerLedger(peek, "e2e").committed_version() >= INTERRUPT_AT:
+                            break
+                    except OperationalError:  # the file exists before the run has created its tables
+                        pass
             time.sleep(2)
         first.send_signal(signal.SIGINT)
         out, _ = first.communicate(timeout=300)
