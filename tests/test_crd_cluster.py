@@ -230,6 +230,9 @@ CHANGEABLE_CHANGES: dict[str, dict[str, Any]] = {
     "spec.suspend": {"suspend": True},
     "spec.activeDeadlineSeconds": {"activeDeadlineSeconds": 3600},
     "spec.ttlSecondsAfterFinished": {"ttlSecondsAfterFinished": 60},
+    # MINIMAL has no evaluation: the section may be added to a run (with its tasks); within it everySteps may
+    # change, its other fields are fixed once set.
+    "spec.evaluation.everySteps": {"evaluation": {"tasks": {"inline": [{"id": "e1"}]}, "everySteps": 3}},
 }
 
 
