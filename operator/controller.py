@@ -129,32 +129,20 @@ class Apis:
         )
 
     def secret_value(self, namespace: str, name: str, key: str, field: str) -> str:
-        data = self._read(
-            lambda: self.core.read_namespaced_secret(name, namespace).data,
-            field,
-            f"Secret {name!r}",
-            namespace,
-        )
-        if not data or key not in data:
-            raise RunProblem(
-                Reason.INVALID_SPEC,
-                f"{field}: Secret {name!r} has no key {key!r} — add the key "
-                f"or point {field}.key at the key that holds it",
-                terminal=False,
-            )
-        return base64.b64decode(data[key]).decode()
+        read = lambda: self.core.read_namespaced_secret(name, namespace).data
+        return base64.b64decode(self._value(read, key, field, f"Secret {name!r}", namespace)).decode()
 
     def config_map_value(self, namespace: str, name: str, key: str, field: str) -> str:
-        data = self._read(
-            lambda: self.core.read_namespaced_config_map(name, namespace).data,
-            field,
-            f"ConfigMap {name!r}",
-            namespace,
-        )
+        read = lambda: self.core.read_namespaced_config_map(name, namespace).data
+        return self._value(read, key, field, f"ConfigMap {name!r}", namespace)
+
+    def _value(self, read: Callable[[], Any], key: str, field: str, what: str, namespace: str) -> str:
+        """One key of a Secret's or ConfigMap's data; a missing object or key is the field's problem."""
+        data = self._read(read, field, what, namespace)
         if not data or key not in data:
             raise RunProblem(
                 Reason.INVALID_SPEC,
-                f"{field}: ConfigMap {name!r} has no key {key!r} — add it or set {field}.key",
+                f"{field}: {what} has no key {key!r} — add the key or point {field}.key at the key that holds it",
                 terminal=False,
             )
         return data[key]
