@@ -1,12 +1,8 @@
 """Prefix-delta encoding: store a call as "its predecessor's context + what is new".
 
 In an agent loop every call resends the whole history, so storing each prompt in full costs the sum of all
-prompts (quadratic in turns). Instead a call that extends its predecessor keeps only a reference plus the new
-suffix, and storage grows with the final length. The predecessor is the call just before it in the same rollout
-attempt; when that one's tokens do not begin the prompt, it is the one of the attempt's ``PARENT_SEARCH``
-calls before it whose prompt + completion is the longest token prefix of the prompt (``call_writer``), so two
-conversations interleaved in one attempt (an agent and its sub-agent) are each stored as a chain of deltas and
-the learner sees each call's parent in its own conversation.
+prompts (quadratic in turns). Instead a call that extends its predecessor (the call just before it in the same
+rollout attempt) keeps only a reference plus the new suffix, and storage grows with the final length.
 
 Two independent parts use the same predecessor:
 
@@ -33,7 +29,6 @@ from typing import Any
 from harnessrl.store.codec import copy_json
 
 DIGEST_SIZE = 16
-PARENT_SEARCH = 8  # earlier calls of the attempt a call may extend when the one just before it does not
 
 RequestInput = list[Any] | str
 
@@ -186,14 +181,6 @@ def _reused_input(request_in: RequestInput, anchor: Anchor, input_digests: list[
     return 0
 
 
-def extends(prompt_bytes: bytes, anchor: Anchor) -> int:
-    """How many tokens of the prompt are the anchor's prompt + completion (0: it does not start with them)."""
-    n = anchor.context_len
-    if 0 < n and 4 * n <= len(prompt_bytes) and tokens_digest(prompt_bytes[: 4 * n]) == anchor.context_digest:
-        return n
-    return 0
-
-
 def encode(
     prompt_bytes: bytes,
     request: dict[str, Any],
@@ -207,7 +194,13 @@ def encode(
     reused = 0
     stored_request = request
     if anchor is not None:
-        offset = extends(prompt_bytes, anchor)
+        n = anchor.context_len
+        if (
+            0 < n
+            and 4 * n <= len(prompt_bytes)
+            and tokens_digest(prompt_bytes[: 4 * n]) == anchor.context_digest
+        ):
+            offset = n
         request_in = request_input(request)
         if request_in is not None:
             reused = _reused_input(request_in, anchor, input_digests)
