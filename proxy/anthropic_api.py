@@ -7,6 +7,9 @@ same messages, tools and sampling, rendered by the same chat template), sends th
 ``/v1/chat/completions`` with token ids and log-probs, and translates the answer back into an Anthropic
 message (text and ``tool_use`` blocks, ``stop_reason``, ``usage``). The call is stored with the harness's
 own request and the Anthropic answer it got, and the chat completion's exact token ids and log-probs.
+Being a chat request, it gets token continuity too (``continuity.py``, ``chat_served.py``): a call whose
+messages repeat an earlier call's messages and answer (its text and ``tool_use`` blocks) + new ones
+(``tool_result`` blocks, user text) continues that call's exact tokens, so an agent loop trains as one row.
 
 A streamed request is answered once the completion is whole, as Anthropic's event sequence
 (``message_start``, each block's start / delta / stop, ``message_delta``, ``message_stop``): exact capture
@@ -21,11 +24,11 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
+from . import chat_served
+from .chat_served import carried, without_carried
 from .protocol import ClientWants, RequestError, Tokens, dumps
-from .protocol import tokens_from_response as chat_tokens
 
-PATH = "/v1/chat/completions"
-CAPTURE_KEY = "_harnessrl_tokens"  # carries the chat completion's tokens from ``from_chat`` to the capture
+PATH = chat_served.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -111,27 +114,48 @@ def _tool_choice(choice: Any) -> Any:
     return {"auto": "auto", "any": "required", "none": "none"}.get(str(kind), "auto")
 
 
-def upstream_request(
-    route: str, body: Mapping[str, Any], *, train: bool, model: str | None, sampling: Mapping[str, Any]
-) -> dict[str, Any]:
-    """The chat completion the Messages request amounts to (never streamed: see the module docstring)."""
-    out: dict[str, Any] = {"model": model or body.get("model"), "messages": chat_messages(body),
-                           "max_tokens": body["max_tokens"]}
+def _chat_function(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool as a chat function; ``strict`` (arguments constrained to the schema) kept."""
+    function = {"name": tool.get("name"), "description": tool.get("description"),
+                "parameters": tool.get("input_schema") or {}}
+    if tool.get("strict") is not None:
+        function["strict"] = tool["strict"]
+    return function
+
+
+def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat completion the Messages request amounts to, without the proxy's additions (what token
+    continuity plans on, ``continuity.py``)."""
+    out: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body), "max_tokens": body["max_tokens"]}
     for name, chat_name in (("stop_sequences", "stop"), ("temperature", "temperature"), ("top_p", "top_p"),
                             ("top_k", "top_k")):
         if body.get(name) is not None:
             out[chat_name] = body[name]
     if body.get("tools"):
-        out["tools"] = [{"type": "function", "function": {"name": t.get("name"), "description": t.get("description"),
-                                                          "parameters": t.get("input_schema") or {}}}
-                        for t in body["tools"] if isinstance(t, dict)]
+        out["tools"] = [{"type": "function", "function": _chat_function(t)} for t in body["tools"] if isinstance(t, dict)]
         if body.get("tool_choice") is not None:
             out["tool_choice"] = _tool_choice(body["tool_choice"])
-    if train:
-        out.update(sampling)
-        out["return_token_ids"] = True
-        out["logprobs"] = True
     return out
+
+
+def upstream_request(
+    route: str, body: Mapping[str, Any], *, train: bool, model: str | None, sampling: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The chat completion the Messages request amounts to, as sent upstream (never streamed: see the module
+    docstring)."""
+    return chat_served.for_upstream(chat_request(body), train=train, model=model, sampling=sampling)
+
+
+def chat_reply(response: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The chat message an Anthropic answer amounts to when the harness sends its content back (the same
+    translation as its request's): what a later call must repeat to continue this one's tokens."""
+    content = response.get("content") if response else None
+    if not isinstance(content, list):
+        return None
+    try:
+        return chat_messages({"messages": [{"role": "assistant", "content": content}]})[-1]
+    except RequestError:
+        return None
 
 
 def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
@@ -151,17 +175,18 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     finish = choice.get("finish_reason")
     stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
     usage = chat.get("usage") or {}
-    tokens = chat_tokens("chat", chat)
     return {
         "id": chat.get("id"),
         "type": "message",
         "role": "assistant",
         "content": content,
         "model": body.get("model"),
-        "stop_reason": "stop_sequence" if stop_sequence else STOP_REASONS.get(str(finish), "end_turn"),
+        # a forced tool (a named tool_choice) ends with chat's "stop"; Anthropic says tool_use for any tool call
+        "stop_reason": "stop_sequence" if stop_sequence else "tool_use" if message.get("tool_calls") and finish != "length"
+        else STOP_REASONS.get(str(finish), "end_turn"),
         "stop_sequence": stop_sequence,
         "usage": {"input_tokens": usage.get("prompt_tokens", 0), "output_tokens": usage.get("completion_tokens", 0)},
-        CAPTURE_KEY: [tokens.prompt_token_ids, tokens.completion_token_ids, tokens.logprobs, tokens.finish_reason],
+        chat_served.CAPTURE_KEY: chat_served.carry(chat),
     }
 
 
@@ -170,14 +195,11 @@ def converter(body: Mapping[str, Any]) -> Any:
 
 
 def tokens_from_response(route: str, body: Mapping[str, Any]) -> Tokens:
-    carried = body.get(CAPTURE_KEY)
-    return Tokens(*carried) if isinstance(carried, list) and len(carried) == 4 else Tokens()
+    return carried(body) or Tokens()
 
 
 def strip_unrequested(obj: dict[str, Any], wants: ClientWants) -> dict[str, Any]:
-    if CAPTURE_KEY not in obj:
-        return obj
-    return {k: v for k, v in obj.items() if k != CAPTURE_KEY}
+    return without_carried(obj)
 
 
 def sse_bytes(obj: Mapping[str, Any]) -> bytes:

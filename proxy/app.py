@@ -42,7 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
-from . import anthropic_api, protocol, responses_api
+from . import anthropic_api, chat_served, protocol, responses_api
 from .call_log import log_call
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -160,6 +160,7 @@ class Exchange:
     started: float
     convert: Any = None  # token continuity: turns the completions answer (or chunk) into the chat shape
     rendered: list[int] | None = None  # token continuity: the chat template's rendering of the messages
+    chat_messages: list[Any] | None = None  # a call served as a chat completion: the chat messages it amounts to
 
 
 class CaptureProxy:
@@ -349,7 +350,11 @@ class CaptureProxy:
             http_status=http_status,
         )
         record.sampling = self.config.sampling_sent(who.rollout_id, x.body)
-        self.ledger.remember(who.key, record, x.rendered)
+        chat = None
+        if x.chat_messages is not None and status is CallStatus.OK:  # continued later like the chat call it was
+            reply = wire(x.route).chat_reply(response)
+            chat = None if reply is None else (x.chat_messages, reply)
+        self.ledger.remember(who.key, record, x.rendered, chat)
         item = CallItem(record, size=len(x.payload))
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
@@ -392,30 +397,39 @@ class CaptureProxy:
         await self._wait_for_room()
         try:
             async with self.gate.admit():
-                if route == "chat" and self.continuity is not None:
+                chat_body = self._as_chat(route, body)
+                if self.continuity is not None and (route == "chat" or chat_body is not None):
                     plan = await self.continuity.plan(
                         who,
-                        body,
+                        body if chat_body is None else chat_body,
                         self.ledger.recent_calls(who.key),
                         cfg.model_name,
                         cfg.sampling_for(who.rollout_id) if cfg.train else {},
                     )
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
+                        if chat_body is not None:
+                            convert = chat_served.then(convert, wire(route).converter(body))
                         x = Exchange(
                             route, who, body, wants, plan.payload, plan.path, started, convert,
-                            plan.rendered_prompt,
+                            plan.rendered_prompt, None if chat_body is None else chat_body["messages"],
                         )  # fmt: skip
+                        if chat_body is not None and body.get("stream") is True:
+                            return await self._replayed(request, x)
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
-                payload = dumps(
-                    wire(route).upstream_request(
-                        route, body, train=cfg.train, model=cfg.model_name, sampling=cfg.sampling_for(who.rollout_id)
-                    )
-                )
                 shapes = wire(route)
-                convert = shapes.converter(body) if hasattr(shapes, "converter") else None
-                path = getattr(shapes, "PATH", None) or ROUTE_PATHS[route]
-                x = Exchange(route, who, body, wants, payload, path, started, convert)
+                sampling = cfg.sampling_for(who.rollout_id)
+                if chat_body is not None:
+                    payload = dumps(chat_served.for_upstream(chat_body, train=cfg.train, model=cfg.model_name,
+                                                             sampling=sampling))
+                    x = Exchange(route, who, body, wants, payload, chat_served.PATH, started, shapes.converter(body),
+                                 None, chat_body["messages"])
+                else:
+                    payload = dumps(
+                        shapes.upstream_request(route, body, train=cfg.train, model=cfg.model_name, sampling=sampling)
+                    )
+                    path = getattr(shapes, "PATH", None) or ROUTE_PATHS[route]
+                    x = Exchange(route, who, body, wants, payload, path, started)
                 if body.get("stream") is True and (route == "messages" or (route == "responses" and cfg.train)):
                     return await self._replayed(request, x)
                 return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
@@ -427,6 +441,20 @@ class CaptureProxy:
                 code="paused",
                 headers={"Retry-After": str(exc.retry_after_s)},
             )
+
+    def _as_chat(self, route: Route, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The chat request a Messages call, or a Responses call in train mode with token continuity on, is
+        served as (``chat_served.py``); None for a call served on its own route. A Responses call the
+        translation cannot carry keeps vLLM's route, its reason counted as a continuity outcome."""
+        if route == "messages":
+            return anthropic_api.chat_request(body)
+        if route != "responses" or not self.config.train or self.continuity is None:
+            return None
+        try:
+            return responses_api.chat_request(body)
+        except responses_api.Untranslatable as exc:
+            self.metrics.continuity.labels(outcome=exc.reason).inc()
+            return None
 
     async def _unary(self, x: Exchange) -> web.Response:
         try:

@@ -74,8 +74,19 @@ class LastCall:
     reply: dict[str, Any] | None  # the assistant message of choice 0
 
     @classmethod
-    def of(cls, record: CallRecord, rendered_prompt: list[int] | None = None) -> LastCall:
-        messages = record.request.get("messages") if record.route == "chat" else None
+    def of(
+        cls,
+        record: CallRecord,
+        rendered_prompt: list[int] | None = None,
+        chat: tuple[list[Any], dict[str, Any]] | None = None,
+    ) -> LastCall:
+        """``chat``: for a call on another route that was served as a chat completion (Messages, Responses),
+        the chat messages and reply it amounts to, so a later call can continue it like a chat call."""
+        if chat is not None:
+            messages, reply = chat
+        else:
+            messages = record.request.get("messages") if record.route == "chat" else None
+            reply = reply_message(record.response) if record.route == "chat" else None
         prompt = _int32(record.prompt_token_ids)
         return cls(
             record.call_id,
@@ -86,7 +97,7 @@ class LastCall:
             _int32(record.completion_token_ids),
             prompt if rendered_prompt is None else _int32(rendered_prompt),
             messages if isinstance(messages, list) else None,
-            reply_message(record.response) if record.route == "chat" else None,
+            reply,
         )
 
     def extended_by(self, messages: list[Any]) -> bool:
@@ -154,11 +165,18 @@ class RolloutLedger:
             self._next_seq.popitem(last=False)
         return seq
 
-    def remember(self, key: AttemptKey, record: CallRecord, rendered_prompt: list[int] | None = None) -> None:
+    def remember(
+        self,
+        key: AttemptKey,
+        record: CallRecord,
+        rendered_prompt: list[int] | None = None,
+        chat: tuple[list[Any], dict[str, Any]] | None = None,
+    ) -> None:
         """Add ``record`` to the attempt's recent calls (``rendered_prompt``: when its prompt is not the chat
         template's rendering, i.e. it was sent with token continuity). The calls it extends (their messages
-        + reply begin its messages; for calls without messages, any such call) are superseded and dropped."""
-        last = LastCall.of(record, rendered_prompt)
+        + reply begin its messages; for calls without messages, any such call) are superseded and dropped.
+        ``chat``: the chat messages and reply of a call served as a chat completion on another route."""
+        last = LastCall.of(record, rendered_prompt, chat)
         kept = []
         for call in self._recent.pop(key, ()):
             if last.supersedes(call):

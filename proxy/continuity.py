@@ -45,6 +45,11 @@ continuity off (or on a fallback) the plain rendering leaves the reasoning out, 
 extension of the parent, and the learner starts a new row there (counted as ``template_drift``: the prompt
 leaves the row inside the previous completion).
 
+Anthropic Messages and (in train mode) Responses calls are served as the chat completions they amount to
+(``chat_served.py``), and continue in the same way: the plan is made on the translated chat request, and the
+ledger keeps each such call's translated messages and reply (``LastCall.of``'s ``chat``). They are never
+streamed upstream (a streamed one is answered whole), so their calls with tools continue even when streamed.
+
 Whenever something does not line up -- no earlier chat call, structured output, n > 1, a request field this
 conversion does not know, messages that extend no recent call, no render endpoints where a parser is needed,
 any of the prefix checks -- the call takes the plain chat path, and the reason is counted in
@@ -308,7 +313,8 @@ class TokenContinuity:
         model: str | None,
         sampling: dict[str, Any],
     ) -> Plan:
-        chats = [c for c in recent if c.route == "chat" and c.messages is not None and c.reply is not None]
+        # chat calls, and Messages or Responses calls served as chat completions (their chat view kept)
+        chats = [c for c in recent if c.messages is not None and c.reply is not None]
         if not chats:
             raise _Fallback("no_previous_chat_call")
         unknown = set(body) - CARRIED - HANDLED

@@ -1,5 +1,11 @@
 """The Responses API (``POST /v1/responses``) on vLLM 0.32: what the proxy adds, what it takes out, SSE.
 
+In train mode with token continuity on, a call the proxy can translate (text messages, ``function_call`` and
+``function_call_output`` items, function tools) is served as the chat completion it amounts to (the end of
+this module; ``chat_served.py`` says why), so its function calls get log-probs and a later call continues its
+exact tokens; ``previous_response_id`` is then refused (400 naming it: the proxy keeps no responses). Any
+other call -- and every call with continuity off or in observe mode -- goes to vLLM's own route, as follows.
+
 The same pure functions as ``protocol.py`` offers for chat and completions, for the Responses shapes.
 vLLM 0.32 (measured on the tiny model, CPU) gives a token-exact capture of a Responses call through two of
 its own request fields, which the proxy adds in train mode:
@@ -30,6 +36,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from . import chat_served
+from .chat_served import carried, without_carried
 from .protocol import ClientWants, RequestError, Tokens, _expect, _logprob, dumps
 
 PATH = "/v1/responses"
@@ -116,7 +124,11 @@ def _finish_reason(body: Mapping[str, Any]) -> str | None:
 
 
 def tokens_from_response(route: str, body: Mapping[str, Any]) -> Tokens:
-    """Prompt ids, completion ids and log-probs of a (non-streamed or assembled) Responses answer."""
+    """Prompt ids, completion ids and log-probs of a (non-streamed or assembled) Responses answer: those it
+    carries when it was served as a chat completion, else vLLM's token messages and output log-probs."""
+    tokens = carried(body)
+    if tokens is not None:
+        return tokens
     return Tokens(
         prompt_token_ids=_message_tokens(body.get("input_messages")),
         completion_token_ids=_message_tokens(body.get("output_messages")),
@@ -137,6 +149,7 @@ def _without_logprobs(obj: Any) -> Any:
 
 def strip_unrequested(obj: dict[str, Any], wants: ClientWants) -> dict[str, Any]:
     """What the harness gets: a response (or a stream event) without what it did not ask for."""
+    obj = without_carried(obj)
     if wants.token_ids and wants.logprobs:
         return obj
     out = obj if wants.logprobs else _without_logprobs(obj)
@@ -240,3 +253,225 @@ def replay_events(response: Mapping[str, Any]) -> list[dict[str, Any]]:
     final = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(str(status), "response.completed")
     emit(final, response=dict(response))
     return events
+
+
+# ------------------------------------------------------------------------- served as a chat completion
+#
+# In train mode with token continuity on, a Responses call the proxy can translate is served as the chat
+# completion it amounts to (``chat_served.py`` says why): ``function_call`` outputs then get their log-probs,
+# and a call whose input repeats an earlier call's input + output items (+ function_call_output items and new
+# messages) continues that call's exact tokens, as a chat call does. The translation follows vLLM's own
+# (``construct_input_messages``: instructions as the system message, a function_call joined to the assistant
+# message before it, a function_call_output as a tool message), so the prompt is what vLLM's route renders.
+
+# Request fields the translation carries to chat under the same name (vLLM sampling parameters included).
+SAME_IN_CHAT = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias",
+                "user", "skip_special_tokens", "include_stop_str_in_output", "priority", "parallel_tool_calls")
+# Fields that only shape the answer (echoed or ignored), or that the translation reads itself.
+TRANSLATED = frozenset(SAME_IN_CHAT) | {
+    "model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "include", "top_logprobs",
+    "stream", "stream_options", "store", "metadata", "service_tier", "truncation", "text", "reasoning",
+    "prompt_cache_key", "previous_response_id",
+}
+
+
+class Untranslatable(Exception):
+    """The call cannot be served as a chat completion; ``reason`` labels the continuity metric."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _parts_text(content: Any) -> str:
+    """A message's text: a string, or its text parts joined (any other part cannot be translated)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise Untranslatable("responses_input_item")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            raise Untranslatable("responses_input_item")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise Untranslatable("responses_input_item")
+        texts.append(text)
+    return "".join(texts)
+
+
+def chat_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
+    """``instructions`` and the ``input`` items as chat messages, the way vLLM's own route builds them."""
+    out: list[dict[str, Any]] = []
+    if instructions:
+        if not isinstance(instructions, str):
+            raise Untranslatable("responses_input_item")
+        out.append({"role": "system", "content": instructions})
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    for item in items:
+        if not isinstance(item, dict):
+            raise Untranslatable("responses_input_item")
+        kind = item.get("type", "message")
+        prev = out[-1] if out and out[-1].get("role") == "assistant" else None
+        if kind == "function_call":
+            name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
+            if not all(isinstance(v, str) for v in (name, arguments, call_id)) or item.get("namespace"):
+                raise Untranslatable("responses_input_item")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if prev is not None:
+                prev.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise Untranslatable("responses_input_item")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": _parts_text(item.get("output"))})
+        elif kind == "message" and item.get("role") in ("user", "system", "developer", "assistant"):
+            role = "system" if item["role"] == "developer" else item["role"]  # the developer's is system's place
+            text = _parts_text(item.get("content"))
+            if role == "assistant" and prev is not None and prev.get("content") is None:
+                prev["content"] = text
+            else:
+                out.append({"role": role, "content": text})
+        else:  # reasoning, images, built-in tools' items...: served by vLLM's own route
+            raise Untranslatable("responses_input_item")
+    return out
+
+
+def _chat_tool(tool: Any) -> dict[str, Any]:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
+        raise Untranslatable("responses_tool")
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise Untranslatable("responses_tool_choice")
+
+
+def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat completion a Responses request amounts to, without the proxy's additions; ``Untranslatable``
+    (with the reason) for a request only vLLM's own route serves, and a 400 for ``previous_response_id``."""
+    if body.get("previous_response_id") is not None:
+        raise RequestError(
+            "'previous_response_id' is not supported in train mode: the proxy keeps no responses (it serves "
+            "each Responses call as the chat completion it amounts to, so that it continues the previous call's "
+            "exact tokens); send the conversation in 'input' instead: the earlier input items, the previous "
+            "response's output items and your function_call_output items",
+            param="previous_response_id",
+            code="previous_response_id_not_supported",
+        )
+    if set(body) - TRANSLATED:
+        raise Untranslatable("responses_unsupported_field")
+    if body.get("reasoning") is not None:
+        raise Untranslatable("responses_reasoning")
+    text = body.get("text")
+    if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}) != {"type": "text"}):
+        raise Untranslatable("responses_structured_output")
+    include = body.get("include") or []
+    if any(name != LOGPROBS_INCLUDE for name in include) or body.get("truncation") not in (None, "disabled"):
+        raise Untranslatable("responses_unsupported_field")
+    out: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body.get("instructions"), body["input"])}
+    if body.get("max_output_tokens") is not None:
+        out["max_tokens"] = body["max_output_tokens"]
+    out.update((name, body[name]) for name in SAME_IN_CHAT if body.get(name) is not None)
+    tools = body.get("tools")
+    if tools:
+        out["tools"] = [_chat_tool(tool) for tool in tools]
+        if body.get("tool_choice") is not None:
+            out["tool_choice"] = _chat_tool_choice(body["tool_choice"])
+    if LOGPROBS_INCLUDE in include:
+        out["logprobs"] = True
+        if body.get("top_logprobs"):
+            out["top_logprobs"] = body["top_logprobs"]
+    return out
+
+
+def chat_reply(response: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The chat message a Responses answer amounts to when the harness sends its output items back (the same
+    translation as its request's): what a later call must repeat to continue this one's tokens."""
+    output = response.get("output") if response else None
+    if not isinstance(output, list):
+        return None
+    try:
+        messages = chat_messages(None, output)
+    except Untranslatable:
+        return None
+    return messages[0] if len(messages) == 1 and messages[0]["role"] == "assistant" else None
+
+
+def _response_logprobs(choice: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The chat choice's log-probs as Responses ``output_text`` log-probs (vLLM's shape)."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    return [{"token": e.get("token"), "logprob": e.get("logprob"), "bytes": e.get("bytes"),
+             "top_logprobs": [{"token": t.get("token"), "logprob": t.get("logprob"), "bytes": t.get("bytes")}
+                              for t in e.get("top_logprobs") or []]}
+            for e in content or [] if isinstance(e, dict)]
+
+
+def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+    """The Responses answer vLLM's own route would give for a chat completion (its items, status and usage),
+    carrying the chat completion's tokens for the capture."""
+    choice = (chat.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    suffix = str(chat.get("id") or "").removeprefix("chatcmpl-")
+    output: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:
+        output.append({"id": f"rs_{suffix}", "type": "reasoning", "summary": [], "status": None,
+                       "content": [{"type": "reasoning_text", "text": reasoning}]})
+    calls = message.get("tool_calls") or []
+    if message.get("content") or not calls:
+        text = message.get("content") or ""
+        parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": _response_logprobs(choice)}]
+        output.append({"id": f"msg_{suffix}", "type": "message", "role": "assistant", "status": "completed",
+                       "content": parts if text else []})
+    for i, call in enumerate(calls):
+        fn = call.get("function") or {}
+        output.append({"id": f"fc_{suffix}_{i}", "type": "function_call", "status": "completed",
+                       "call_id": call.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments")})
+    incomplete = choice.get("finish_reason") == "length"
+    usage = chat.get("usage") or {}
+    prompt_tokens, completion_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "id": f"resp_{suffix}",
+        "object": "response",
+        "created_at": chat.get("created"),
+        "model": chat.get("model"),
+        "status": "incomplete" if incomplete else "completed",
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "error": None,
+        "instructions": body.get("instructions"),
+        "output": output,
+        "tools": body.get("tools") or [],
+        "tool_choice": body.get("tool_choice", "auto"),
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "top_logprobs": body.get("top_logprobs", 0),
+        "metadata": body.get("metadata"),
+        "previous_response_id": None,
+        "reasoning": None,
+        "service_tier": body.get("service_tier", "auto"),
+        "text": body.get("text"),
+        "truncation": body.get("truncation", "disabled"),
+        "user": body.get("user"),
+        "background": False,
+        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": prompt_tokens + completion_tokens},
+        "input_messages": None,
+        "output_messages": None,
+        chat_served.CAPTURE_KEY: chat_served.carry(chat),
+    }
+
+
+def converter(body: Mapping[str, Any]) -> Any:
+    return lambda chat: from_chat(body, chat)

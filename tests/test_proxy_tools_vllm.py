@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -22,16 +20,15 @@ import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
 from proxy_servers import RunningProxy, metric_value
-from vllm_fixtures import VllmServer, proxy_in_front, start_test_vllm
+from vllm_fixtures import VllmServer, proxy_in_front
 
 from harnessrl.store import CallStatus
 from harnessrl.trainer.rows import merge_calls_into_rows
 
-pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (session-scoped)
 
 pytestmark = pytest.mark.vllm
 
-TOOL_SERVER_ARGS = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 TOOLS = [
     {
         "type": "function",
@@ -67,21 +64,6 @@ TASK = [
     {"role": "system", "content": "you are a coding agent"},
     {"role": "user", "content": "read file 42 and fix the error in the test"},
 ]
-
-
-@pytest.fixture(scope="module")
-def tool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A server with the tool flags; ``HARNESSRL_TEST_VLLM_TOOLS_URL`` points at one already running instead
-    (the tiny model, seed 0, started with ``TOOL_SERVER_ARGS`` and served as "tiny")."""
-    external = os.environ.get("HARNESSRL_TEST_VLLM_TOOLS_URL")
-    if external:
-        yield VllmServer(external.rstrip("/"), "tiny", tiny_model_dir, None)
-        return
-    server = start_test_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-tools") / "vllm.log", TOOL_SERVER_ARGS)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -57,6 +57,27 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
 
 
+# The flags of a function-calling deployment: vLLM's hermes tool parser (the tiny model's template is Qwen2.5's,
+# with its tool markers), plus the render/generate/derender endpoints the proxy continues tool calls through.
+TOOL_SERVER_ARGS = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+
+
+@pytest.fixture(scope="session")
+def tool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A server with ``TOOL_SERVER_ARGS``, started once per session (the chat, Anthropic and Responses
+    function-calling tests share it); ``HARNESSRL_TEST_VLLM_TOOLS_URL`` points at one already running instead
+    (the tiny model, seed 0, started with ``TOOL_SERVER_ARGS`` and served as "tiny")."""
+    external = os.environ.get("HARNESSRL_TEST_VLLM_TOOLS_URL")
+    if external:
+        yield VllmServer(external.rstrip("/"), SERVED_NAME, tiny_model_dir, None)
+        return
+    server = start_test_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-tools") / "vllm.log", TOOL_SERVER_ARGS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @contextmanager
 def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[str, Any]
                    ) -> Iterator[tuple[TraceStore, Any]]:
