@@ -1,0 +1,123 @@
+"""The translations behind serving Anthropic Messages and Responses calls as chat completions
+(``proxy/chat_served.py``): what a harness sends back of an answer translates to the reply token continuity
+matches, and what cannot be translated says why. The end-to-end loops on the real vLLM are in
+``test_proxy_tools_vllm_apis.py``."""
+
+from __future__ import annotations
+
+import pytest
+
+from harnessrl.proxy import anthropic_api, responses_api
+from harnessrl.proxy.protocol import ClientWants, RequestError, same_message
+from harnessrl.proxy.responses_api import Untranslatable
+
+CHAT_ANSWER = {
+    "id": "chatcmpl-abc",
+    "created": 7,
+    "model": "tiny",
+    "prompt_token_ids": [1, 2, 3],
+    "choices": [{
+        "index": 0,
+        "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]},
+        "logprobs": {"content": [{"token": "<tool_call>", "logprob": -0.5, "bytes": [60], "top_logprobs": []},
+                                 {"token": "x", "logprob": -1.5, "bytes": [120], "top_logprobs": []}]},
+        "finish_reason": "stop",
+        "token_ids": [10, 11],
+    }],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+}  # fmt: skip
+TEXT_ANSWER = {
+    **CHAT_ANSWER,
+    "choices": [{**CHAT_ANSWER["choices"][0], "message": {"role": "assistant", "content": "hello"},
+                 "finish_reason": "length"}],
+}  # fmt: skip
+
+
+def test_responses_items_translate_as_vllm_builds_them():
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix "}, {"type": "input_text", "text": "it"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "looking", "annotations": [], "logprobs": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "c1", "name": "read_file", "arguments": "{}", "status": "completed"},
+        {"type": "function_call_output", "call_id": "c1", "output": "x = 1"},
+    ]  # fmt: skip
+    assert responses_api.chat_messages("you are an agent", items) == [
+        {"role": "system", "content": "you are an agent"},
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "fix it"},
+        {"role": "assistant", "content": "looking", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "read_file", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x = 1"},
+    ]  # fmt: skip
+    assert responses_api.chat_messages(None, "hi") == [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
+         "responses_input_item"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "responses_input_item"),
+        ({"input": "hi", "tools": [{"type": "web_search"}]}, "responses_tool"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
+         "responses_tool_choice"),
+        ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+         "responses_structured_output"),
+        ({"input": "hi", "reasoning": {"effort": "low"}}, "responses_reasoning"),
+        ({"input": "hi", "enable_response_messages": True}, "responses_unsupported_field"),
+        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "responses_unsupported_field"),
+    ],
+)  # fmt: skip
+def test_untranslatable_responses_calls_name_their_reason(body, reason):
+    with pytest.raises(Untranslatable) as caught:
+        responses_api.chat_request(body)
+    assert caught.value.reason == reason
+
+
+def test_previous_response_id_is_a_400_naming_it():
+    with pytest.raises(RequestError) as caught:
+        responses_api.chat_request({"input": "go on", "previous_response_id": "resp_1"})
+    assert caught.value.param == "previous_response_id" and "input" in caught.value.message
+
+
+def test_responses_request_becomes_the_chat_request_it_amounts_to():
+    body = {"model": "m", "input": "hi", "instructions": "sys", "max_output_tokens": 9, "temperature": 0.5,
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": True}],
+            "tool_choice": {"type": "function", "name": "f"}, "include": ["message.output_text.logprobs"],
+            "top_logprobs": 2, "stream": True, "store": False, "text": {"format": {"type": "text"}}}
+    assert responses_api.chat_request(body) == {
+        "model": "m", "messages": [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}],
+        "max_tokens": 9, "temperature": 0.5,
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, "strict": True}}],
+        "tool_choice": {"type": "function", "function": {"name": "f"}}, "logprobs": True, "top_logprobs": 2,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("chat", [CHAT_ANSWER, TEXT_ANSWER], ids=["function-call", "text"])
+def test_responses_answer_sent_back_is_the_reply_continuity_matches(chat):
+    body = {"input": "hi", "include": ["message.output_text.logprobs"]}
+    answer = responses_api.from_chat(body, chat)
+    tokens = responses_api.tokens_from_response("responses", answer)
+    assert (tokens.prompt_token_ids, tokens.completion_token_ids, tokens.logprobs) == ([1, 2, 3], [10, 11], [-0.5, -1.5])
+    got = responses_api.strip_unrequested(answer, ClientWants(token_ids=False, logprobs=True))
+    assert "_harnessrl_tokens" not in got and answer["id"] == "resp_abc"
+    reply = chat["choices"][0]["message"]
+    resent = responses_api.chat_messages(None, got["output"])  # what the harness appends to its next input
+    assert resent == [responses_api.chat_reply(got)] and same_message(resent[0], reply)
+    if reply.get("tool_calls"):
+        assert got["status"] == "completed" and [i["type"] for i in got["output"]] == ["function_call"]
+    else:
+        assert got["status"] == "incomplete" and got["incomplete_details"] == {"reason": "max_output_tokens"}
+        assert [e["logprob"] for e in got["output"][0]["content"][0]["logprobs"]] == [-0.5, -1.5]
+
+
+def test_anthropic_answer_sent_back_is_the_reply_continuity_matches():
+    answer = anthropic_api.from_chat({"model": "m"}, CHAT_ANSWER)
+    assert answer["stop_reason"] == "tool_use"  # a forced tool ends with chat's "stop"
+    got = anthropic_api.strip_unrequested(answer, ClientWants(token_ids=False, logprobs=False))
+    resent = anthropic_api.chat_messages({"messages": [{"role": "assistant", "content": got["content"]}]})
+    assert resent == [anthropic_api.chat_reply(got)]
+    assert same_message(resent[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]})
