@@ -155,6 +155,7 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
         time.sleep(3)
         requests_before = apiserver_requests(kube)
         cpu_before = cpu_seconds(operator.pid)
+        machine_before = machine_cpu(kube)
         doc = training_run(store_url, args.rollouts, args.concurrency)
         kube.kubectl("apply", "-n", BENCH_NAMESPACE, "-f", "-", input=json.dumps(doc))
         started = time.monotonic()
@@ -180,6 +181,7 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
             time.sleep(2)
         mem_late = rss_mib(operator.pid)
         cpu = cpu_seconds(operator.pid) - cpu_before
+        machine = {name: seconds - machine_before.get(name, 0.0) for name, seconds in machine_cpu(kube).items()}
         total = apiserver_requests(kube)
         every_client = {verb: total[verb] - requests_before.get(verb, 0) for verb in total}
         own = operator_requests(kube)
@@ -207,11 +209,19 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
           + f" (total {sum(per_rollout_all.values()):.2f})")
     print(f"operator CPU per rollout: {1000 * cpu / rollouts:.1f} ms; RSS {mem_early:.0f} MiB at {early} "
           f"finished, {mem_late:.0f} MiB at {rollouts}")
+    others = sum(machine.values())
+    cores = os.cpu_count() or 1
+    print("the rest of the machine's CPU per rollout: "
+          + ", ".join(f"{name} {1000 * seconds / rollouts:.1f} ms" for name, seconds in sorted(machine.items()))
+          + f" (total {1000 * others / rollouts:.1f} ms: with the operator's, {cores} cores sustain at most "
+          f"{cores * rollouts / (others + cpu):.0f} rollouts/s)")
     count, seconds, slow = passes
     print(f"operator reconcile passes: {count:.0f}, mean {1000 * seconds / max(count, 1):.0f} ms, "
           f"{slow / max(count, 1):.0%} over 1 s")
+    created = _slot_latencies(pod_times, args.concurrency, to=0)
     print(f"pod creation -> running: p50 {percentile(starts, 0.5):.2f} s, p95 {percentile(starts, 0.95):.2f} s; "
-          f"free slot -> running: p95 {percentile(slot, 0.95):.2f} s ({len(slot)} slots)")
+          f"free slot -> running: p95 {percentile(slot, 0.95):.2f} s ({len(slot)} slots); free slot -> pod "
+          f"created (the operator's part): p50 {percentile(created, 0.5):.2f} s, p95 {percentile(created, 0.95):.2f} s")
     print(f"api_requests_per_rollout={sum(per_rollout_own.values()):.2f} "
           f"operator_cpu_ms_per_rollout={1000 * cpu / rollouts:.1f} operator_mem_mib_200={mem_early:.0f} "
           f"operator_mem_mib_2000={mem_late:.0f} pod_start_p95_s={percentile(slot, 0.95):.2f}")
@@ -277,13 +287,33 @@ class PodClock(threading.Thread):
                 return
 
 
-def _slot_latencies(pods: list[tuple[float, float | None, float | None]], concurrency: int) -> list[float]:
+def _slot_latencies(
+    pods: list[tuple[float, float | None, float | None]], concurrency: int, to: int = 1
+) -> list[float]:
     """After the first `concurrency` pods, each new pod took a slot a pod's end freed: the k-th later pod is
-    matched with the k-th end (FIFO), and its latency is from that end to its own start."""
+    matched with the k-th end (FIFO), and its latency is from that end to its own start (``to=1``) or to its
+    creation (``to=0``: what the operator controls; creation -> running is the scheduler's and kwok's)."""
     by_creation = sorted(pods, key=lambda p: p[0])
     ends = sorted(p[2] for p in by_creation if p[2] is not None)
-    later = [p for p in by_creation[concurrency:] if p[1] is not None]
-    return [max(0.0, start - end) for (_, start, _), end in zip(later, ends)]
+    later = [p for p in by_creation[concurrency:] if p[to] is not None]
+    return [max(0.0, pod[to] - end) for pod, end in zip(later, ends)]
+
+
+def machine_cpu(kube: Cluster) -> dict[str, float]:
+    """CPU seconds so far of the control plane's processes, of every PostgreSQL process (the store's server,
+    shared with whatever else uses it) and of this script (its pod watch): what shares the cores with the
+    operator."""
+    seconds = {name: cpu_seconds(pid) for name, pid in kube.pids.items() if Path(f"/proc/{pid}").exists()}
+    seconds["postgres"] = 0.0
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip() == "postgres":
+                    seconds["postgres"] += cpu_seconds(int(proc.name))
+            except OSError:  # gone meanwhile
+                continue
+    seconds["bench"] = cpu_seconds(os.getpid())
+    return seconds
 
 
 if __name__ == "__main__":

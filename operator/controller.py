@@ -426,9 +426,9 @@ class RunController:
             observed.message = observed.rollout_message
             if observed.rollout_problem is not None:
                 observed.reason, observed.message = observed.rollout_problem
-            self.scheduler.reconcile(observed.policy_version)
+            passed = self.scheduler.reconcile(observed.policy_version)
         else:
-            self.scheduler.reconcile(observed.policy_version)
+            passed = self.scheduler.reconcile(observed.policy_version)
             if spec.suspend:
                 observed.phase, observed.reason = Phase.SUSPENDED, Reason.SUSPENDED
                 observed.message = "spec.suspend is true: no new rollouts start; running ones finish"
@@ -437,7 +437,7 @@ class RunController:
                 observed.message = f"step {step} of {spec.learner.steps}"
                 if observed.learner_problem is not None:  # rollouts go on, but no step will come
                     observed.reason, observed.message = observed.learner_problem
-        observed.counts = self.store.count_attempts(self.name)
+        observed.counts = passed.counts
 
     def _evaluating_final_version(self, observed: Observed) -> bool:
         """Training is done: with spec.evaluation the final version is evaluated before the run succeeds, by

@@ -31,6 +31,7 @@ from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, LEARNER, ROLLOUT
 from harnessrl.operator.pod_informer import PodInformer
 from harnessrl.operator.pods import PodSummary
 from harnessrl.operator.status import Observed, build_status, epoch, same_status
+from harnessrl.operator.status_writer import StatusWriter
 from harnessrl.spec.models import GROUP, VERSION
 from harnessrl.spec.status import Phase, Reason
 from harnessrl.store import RolloutState
@@ -154,6 +155,10 @@ def run_daemon(
         _controllers[key] = controller
     before = body.get("status") or {}
     last = (before.get("phase"), before.get("reason"))
+    writer = StatusWriter(
+        lambda status: _state["apis"].patch_status(namespace, name, status),
+        on_error=lambda: METRICS.errors.labels(*key).inc(),
+    )
     try:
         while not stopped:
             current = dict(body)  # kopf keeps a daemon's body current with the watch
@@ -168,13 +173,16 @@ def run_daemon(
                 continue
             _record(key, observed)
             status = build_status(observed, current.get("status"))
-            if not same_status(current.get("status"), status):
-                _state["apis"].patch_status(namespace, name, status)
+            final = status["phase"] in (Phase.SUCCEEDED.value, Phase.FAILED.value)
+            if final:
+                writer.write_now(status)
+            elif not same_status(current.get("status"), status):
+                writer.write(status)
             METRICS.reconcile_seconds.labels(*key).observe(time.perf_counter() - started)
             if (status["phase"], status["reason"]) != last:
                 _post_phase_event(current, status)
                 last = (status["phase"], status["reason"])
-            if status["phase"] in (Phase.SUCCEEDED.value, Phase.FAILED.value):
+            if final:
                 _clean_up_after_ttl(controller, status, stopped)
                 return
             controller.wake.wait(RECONCILE_INTERVAL_S)

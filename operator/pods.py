@@ -15,9 +15,11 @@ never from a LIST per reconcile: ``PodBackend`` is given a callable that returns
 At most ``budget`` pods are created per pass (a token bucket refilled at ``pods_per_second``), so a burst of
 free slots never floods the API server; the scheduler launches no more than ``launch_budget()`` allows.
 
-Inside ``parallel_calls()`` (the controller wraps each pass in it) the creates and deletes of the pass run on a
+Inside ``parallel_calls()`` (the controller wraps each pass in it) the creates and stops of the pass run on a
 small shared thread pool and the block waits for all of them: at concurrency 200 a pass settles and launches
-dozens of pods, and one API round trip after the other made such a pass take seconds.
+dozens of pods, and one API round trip after the other made such a pass take seconds. Deleting the pod of a
+released attempt (its harness ended and was settled) is clean-up that nothing waits for; if it fails, the pod is
+reported by ``exits()`` again and released again on a later pass.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import ATTEMPT_ANNOTATION, ROLLOUT_ANNOTATION
 from harnessrl.operator.render_harness import HARNESS_CONTAINER, VERIFIER_CONTAINER
 from harnessrl.operator.status import epoch
+from harnessrl.operator.thread_pools import shared_pool
 from harnessrl.scheduler import HarnessExit, Launch
 
 log = logging.getLogger(__name__)
@@ -177,16 +180,10 @@ def _drain(response: Any) -> None:
 # Pod API calls in flight at once, for all runs of the operator together. Below the kubernetes client's
 # connection pool (5 per CPU, at least 10 on 2 cores), so no connection is opened only to be thrown away.
 API_WORKERS = 8
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def _api_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=API_WORKERS, thread_name_prefix="pod-api")
-        return _pool
+    return shared_pool("pod-api", API_WORKERS)
 
 
 class PodBackend:
@@ -248,11 +245,14 @@ class PodBackend:
             if error is not None:
                 raise error
 
-    def _call(self, function: Callable[..., None], *args: Any) -> None:
+    def _call(self, function: Callable[..., None], *args: Any, waited: bool = True) -> None:
+        """Call now outside ``parallel_calls()``; inside, on the pool (``waited``: the block waits for it)."""
         if self._batch is None:
             function(*args)
-        else:
-            self._batch.append(_api_pool().submit(function, *args))
+            return
+        future = _api_pool().submit(function, *args)
+        if waited:
+            self._batch.append(future)
 
     # --- what the scheduler calls ---------------------------------------------------------------------------
 
@@ -337,10 +337,18 @@ class PodBackend:
             if pod.key == key:
                 self._released.add(key)
                 if not pod.deleting:
-                    self._delete(pod.name, 0)
+                    # Clean-up nothing waits for: a pass does not hold its next settlements back on it.
+                    self._call(self._delete_released, key, pod.name, waited=False)
 
     def _delete(self, name: str, grace_seconds: int) -> None:
         self._call(self._delete_now, name, grace_seconds)
+
+    def _delete_released(self, key: tuple[str, int], name: str) -> None:
+        try:
+            self._delete_now(name, 0)
+        except Exception:  # noqa: BLE001 - the pod is reported again by exits() and released again
+            log.warning("deleting the ended pod %s failed; it is deleted again on a later pass", name, exc_info=True)
+            self._released.discard(key)
 
     def _delete_now(self, name: str, grace_seconds: int) -> None:
         self.api.delete(self.namespace, name, grace_seconds)

@@ -5,6 +5,7 @@ scenarios in test_operator_cluster.py run it against the real control plane)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -296,14 +297,29 @@ class FailingDeleteApi(RecordingApi):
 def test_a_failed_call_of_the_pass_is_raised_after_the_others_finished() -> None:
     api, pods = FailingDeleteApi(), []
     b = backend(api, pods)
-    pods += [
-        summarize_pod(pod("Succeeded", harness={"terminated": {"exitCode": 0}}, attempt=attempt))
-        for attempt in range(3)
-    ]
+    pods += [summarize_pod(pod("Running", harness={"running": {}}, attempt=attempt)) for attempt in range(3)]
     with pytest.raises(ApiException, match="Internal Server Error"), b.parallel_calls():
         for attempt in range(3):
-            b.release("r1", attempt)
+            b.stop("r1", attempt, "Timeout")
         with b.parallel_calls():  # nested, as when a pass stops the run: the outer block still waits
             b.launch(launch(9))
-    assert sorted(api.deleted) == [("r1-a1", 0), ("r1-a2", 0)]
+    assert sorted(api.deleted) == [("r1-a1", 10), ("r1-a2", 10)]
     assert [p["metadata"]["name"] for p in api.created] == ["r1-a9"]
+
+
+def test_a_released_pod_whose_delete_failed_is_reported_and_released_again() -> None:
+    """Deleting an ended pod is not waited for; a failure hands the pod back to the next pass."""
+    api, pods = FailingDeleteApi(), []
+    b = backend(api, pods)
+    pods += [
+        summarize_pod(pod("Succeeded", harness={"terminated": {"exitCode": 0}}, attempt=attempt))
+        for attempt in range(2)
+    ]
+    with b.parallel_calls():
+        for ended in b.exits():
+            b.release(ended.rollout_id, ended.attempt)
+    deadline = time.monotonic() + 60
+    while (not api.deleted or ("r1", 0) in b._released) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert api.deleted == [("r1-a1", 0)]
+    assert [(e.rollout_id, e.attempt, e.exit_code) for e in b.exits()] == [("r1", 0, 0)]  # back for a retry

@@ -215,6 +215,43 @@ def test_many_moves_in_one_transaction_apply_only_where_the_state_still_matches(
     assert (store.get_attempt(running, 0).state, store.get_attempt(running, 0).reason) == (S.FAILED, "NoReward")
 
 
+def test_grouped_moves_each_keep_their_own_compare_and_set(store: TraceStore) -> None:
+    """Moves with the same values are one UPDATE per 500 attempts: every attempt still moves only from its
+    expected state, with its own group's reason and version, across chunk boundaries."""
+    store.add_tasks("run", [{"id": "t"}])
+    ids = [f"g{i:04d}" for i in range(1100)]
+    store.create_rollouts("run", "t", [(rollout_id, 0) for rollout_id in ids])
+    lost = set(ids[::7])  # already running under version 1: their claim below must lose
+    assert store.try_transitions([Move(i, 0, S.QUEUED, S.RUNNING, policy_version=1) for i in sorted(lost)]) == {
+        (i, 0) for i in lost
+    }
+    claims = [Move(i, 0, S.QUEUED, S.RUNNING, policy_version=4) for i in ids]
+    claimed = store.try_transitions(claims)
+    assert claimed == {(i, 0) for i in ids if i not in lost}
+    settled = store.try_transitions(
+        [Move(i, 0, S.RUNNING, S.FAILED, "NoReward" if n % 2 else "HarnessFailed: exit code 3")
+         for n, i in enumerate(ids)]
+        + [Move("missing", 0, S.RUNNING, S.FAILED, "NoReward")]
+    )
+    assert settled == {(i, 0) for i in ids}
+    attempts = store.get_attempts((i, 0) for i in ids)
+    for n, rollout_id in enumerate(ids):
+        attempt = attempts[(rollout_id, 0)]
+        assert attempt.state is S.FAILED
+        assert attempt.policy_version_start == (1 if rollout_id in lost else 4)
+        assert attempt.reason == ("NoReward" if n % 2 else "HarnessFailed: exit code 3")
+        assert attempt.finished_at is not None and attempt.started_at is not None
+
+
+def test_an_attempt_moved_twice_in_one_call_sees_its_first_move(store: TraceStore) -> None:
+    rollout_id = _rollout(store, "twice")
+    moved = store.try_transitions(
+        [Move(rollout_id, 0, S.QUEUED, S.RUNNING), Move(rollout_id, 0, S.RUNNING, S.SUCCEEDED)]
+    )
+    assert moved == {(rollout_id, 0)}
+    assert store.get_attempt(rollout_id, 0).state is S.SUCCEEDED
+
+
 def test_an_illegal_move_among_many_changes_nothing(store: TraceStore) -> None:
     first, second = _rollout(store, "a"), _rollout(store, "b")
     with pytest.raises(IllegalTransition, match="queued -> succeeded"):

@@ -198,14 +198,21 @@ class RolloutScheduler:
         """
         status = SchedulerStatus()
         self._settle_exits(status)
+        # The active attempts are read once; the steps below keep what they change in mind (each query is a
+        # round trip, and a busy operator runs passes back to back), and re-read only after creating attempts.
         active = self.store.list_attempts(self.settings.run, states=ACTIVE)
-        self._enforce_deadlines(active, status)
+        ended = self._enforce_deadlines(active, status)
+        active = [attempt for attempt in active if (attempt.rollout_id, attempt.attempt) not in ended]
         self._retry_failures(status)
         self._requeue_cancelled_evaluations(status)
+        queued = [attempt for attempt in active if attempt.state is RolloutState.QUEUED]
         if not finishing:
-            self._create_groups(status)
+            self._create_groups(status, len(queued) + status.retried)
         self._create_evaluation(policy_version, status, finishing)
-        self._launch_queued(policy_version, status, evaluation_only=finishing)
+        if status.retried or status.groups_created or status.evaluation_rollouts_created:
+            queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))
+        running = len(active) - sum(1 for attempt in active if attempt.state is RolloutState.QUEUED)
+        self._launch_queued(policy_version, status, queued, running, evaluation_only=finishing)
         status.counts = self.store.count_attempts(self.settings.run)
         return status
 
@@ -252,7 +259,9 @@ class RolloutScheduler:
         for exit_ in ended:
             self.backend.release(exit_.rollout_id, exit_.attempt)
 
-    def _enforce_deadlines(self, active: list[AttemptRecord], status: SchedulerStatus) -> None:
+    def _enforce_deadlines(self, active: list[AttemptRecord], status: SchedulerStatus) -> set[tuple[str, int]]:
+        """Time out the attempts past their deadline and fail the lost ones; returns the keys it ended."""
+        ended: set[tuple[str, int]] = set()
         now = self.clock()
         alive = self.backend.alive()
         # Read after `alive`: a harness that ends between the two calls shows up here, never as lost.
@@ -267,6 +276,7 @@ class RolloutScheduler:
                 self.backend.stop(*key, reason)
                 if self.store.try_transition(*key, RolloutState.RUNNING, RolloutState.TIMED_OUT, reason):
                     status.timed_out += 1
+                ended.add(key)  # moved by this pass or by another writer: either way no longer running
             elif key not in alive and now - self._launched_at.get(key, started) > self.settings.lost_grace_s:
                 # Running in the store, unknown to the backend past the grace period: the process or pod is
                 # gone without an exit we saw (runner restart, node loss, pod deleted by hand).
@@ -274,6 +284,8 @@ class RolloutScheduler:
                     *key, RolloutState.RUNNING, RolloutState.FAILED, "Lost: the harness is gone without an exit status"
                 )
                 self._launched_at.pop(key, None)
+                ended.add(key)
+        return ended
 
     def _retry_failures(self, status: SchedulerStatus) -> None:
         if self.settings.max_attempts <= 1:
@@ -290,10 +302,9 @@ class RolloutScheduler:
                 self.store.new_attempt(attempt.rollout_id)
                 status.retried += 1
 
-    def _create_groups(self, status: SchedulerStatus) -> None:
+    def _create_groups(self, status: SchedulerStatus, queued: int) -> None:
         groups = self._groups_created()
         outstanding = self._outstanding_groups()
-        queued = self.store.count_attempts(self.settings.run)[RolloutState.QUEUED]
         # Keep enough queued to fill every free slot, but never more groups than the staleness bound allows.
         while queued < self.settings.concurrency and outstanding < self.settings.max_outstanding_groups:
             task_id = self._task_for_group(groups)
@@ -311,6 +322,8 @@ class RolloutScheduler:
     def _requeue_cancelled_evaluations(self, status: SchedulerStatus) -> None:
         """An evaluation rollout cancelled by a stop (Ctrl-C, a suspend) runs again once the run goes on: unlike
         a training group, which trains with what it has, a round scores a version only once all of it ran."""
+        if self.settings.evaluation is None:
+            return
         cancelled = [attempt for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.CANCELLED,))
                      if is_evaluation(attempt.rollout_id)]
         if not cancelled:
@@ -336,15 +349,21 @@ class RolloutScheduler:
                                           evaluated_version=policy_version)
                 status.evaluation_rollouts_created += 1
 
-    def _launch_queued(self, policy_version: int, status: SchedulerStatus, evaluation_only: bool = False) -> None:
-        running = self.store.count_attempts(self.settings.run)[RolloutState.RUNNING]
+    def _launch_queued(
+        self,
+        policy_version: int,
+        status: SchedulerStatus,
+        queued: list[AttemptRecord],
+        running: int,
+        evaluation_only: bool = False,
+    ) -> None:
         free = self.settings.concurrency - running
         budget = self.backend.launch_budget()
         if budget is not None:
             free = min(free, budget)
         if free <= 0:
             return
-        queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))
+        queued = list(queued)  # in the store's order: creation time, then id
         # Evaluations first (a stable sort keeps creation order within each kind): the version they score
         # is the one serving now.
         queued.sort(key=lambda attempt: not is_evaluation(attempt.rollout_id))
