@@ -43,23 +43,35 @@ def test_delta_calls_extend_one_row_with_masked_gaps():
 
 
 @pytest.mark.parametrize(
-    ("second_prompt", "reason"),
+    ("third_prompt", "reason"),
     [
-        ([1, 2, 3, 4, 9, 6], "template_drift"),  # differs inside the previous completion [4, 5]
-        ([1, 2, 3, 4], "template_drift"),  # ends inside the previous completion
-        ([1, 7, 3, 4, 5, 6], "history_edited"),  # differs inside the previous prompt, not shorter
-        ([1, 2, 7, 4, 5], "history_edited"),  # as long as the row, differs in the previous prompt
-        ([1, 2], "truncation"),  # shorter than the previous prompt
-        ([1, 3, 4, 5], "truncation"),  # a middle token cut out: shorter than the row it left
+        ([1, 2, 3, 4, 5, 6, 7, 9], "template_drift"),  # differs inside the previous completion [7, 8]
+        ([1, 2, 3, 4, 5, 6, 7], "template_drift"),  # ends inside the previous completion
+        ([1, 2, 3, 9, 5, 6, 7, 8, 10], "history_edited"),  # differs inside the previous prompt, not shorter
+        ([1, 2, 3, 4, 9, 6, 7, 8], "history_edited"),  # as long as the row, differs in the previous prompt
+        ([1, 2, 3, 4], "truncation"),  # shorter than the previous prompt
+        ([1, 2, 3, 5, 6, 7, 8], "truncation"),  # a middle token cut out: shorter than the row it left
+        ([1, 7, 3, 4, 5, 6, 7, 8], "new_conversation"),  # starts with no kept call's prompt
+        ([1, 2], "new_conversation"),  # shorter than the first kept prompt [1, 2, 3]
+        ([9, 9, 9], "new_conversation"),  # another conversation (a sub-agent)
     ],
 )
-def test_a_prompt_that_leaves_the_row_starts_a_new_one_and_counts_why(second_prompt, reason):
-    calls = [call("a", 0, [1, 2, 3], [4, 5]), call("b", 1, second_prompt, [8])]
+def test_a_prompt_that_leaves_the_row_starts_a_new_one_and_counts_why(third_prompt, reason):
+    calls = [call("a", 0, [1, 2, 3], [4, 5]), call("b", 1, [1, 2, 3, 4, 5, 6], [7, 8]), call("c", 2, third_prompt, [8])]
     result = merge_calls_into_rows(calls)
-    assert [row.call_ids for row in result.rows] == [("a",), ("b",)]
-    assert result.rows[1].input_ids.tolist() == second_prompt + [8]
+    assert [row.call_ids for row in result.rows] == [("a", "b"), ("c",)]
+    assert result.rows[1].input_ids.tolist() == third_prompt + [8]
     assert dict(result.stats.splits) == {reason: 1}
-    assert result.stats.merged_calls == 0
+    assert result.stats.merged_calls == 1
+
+
+def test_a_split_after_the_first_call_is_template_drift_or_a_new_conversation():
+    """With one call in the row, a prompt that keeps that call's prompt but re-renders its answer drifted; one
+    that does not start with it (edited, cut or another conversation) starts a new conversation."""
+    for second_prompt, reason in (([1, 2, 3, 4, 9], "template_drift"), ([1, 2], "new_conversation"),
+                                  ([1, 7, 3, 4, 5, 6], "new_conversation")):
+        result = merge_calls_into_rows([call("a", 0, [1, 2, 3], [4, 5]), call("b", 1, second_prompt, [8])])
+        assert dict(result.stats.splits) == {reason: 1}
 
 
 def test_a_parent_less_prompt_that_extends_the_row_is_merged():
@@ -114,7 +126,7 @@ def test_an_errored_call_with_an_edited_history_is_set_aside_and_its_retry_start
     ]
     result = merge_calls_into_rows(calls)
     assert [arrays(r)[0] for r in result.rows] == [[1, 2, 3], [1, 9, 3, 4, 5, 6]]
-    assert dict(result.stats.splits) == {"history_edited": 1}
+    assert dict(result.stats.splits) == {"new_conversation": 1}  # it no longer starts with [1, 2]
 
 
 def test_a_call_whose_parent_is_unknown_is_dropped_with_its_descendants():
@@ -129,9 +141,10 @@ def test_a_call_whose_parent_is_unknown_is_dropped_with_its_descendants():
     assert dict(result.stats.dropped) == {"missing_parent": 2}
 
 
-def test_a_parent_whose_tokens_were_replaced_is_not_trusted():
-    # "e" sat past the kept content; the retry "a2" of "a" cut the row back to "a"'s prompt. A call that
-    # still names "e" as parent (against the store's seq-1 rule) cannot be rebuilt from the row any more.
+def test_a_parent_whose_tokens_were_overwritten_is_rebuilt_from_its_own_tokens():
+    # "e" sat past the kept content; the retry "a2" of "a" cut the row back to "a"'s prompt. "f" names "e" as
+    # parent (a store delta-encodes a call against any earlier call it extends): "e" is rebuilt from its own
+    # tokens and its parent's, and the rows are those of the full records.
     calls = [
         call("a", 0, [1], [2]),
         call("e", 1, [3], [], parent="a", status=ERROR),
@@ -139,8 +152,12 @@ def test_a_parent_whose_tokens_were_replaced_is_not_trusted():
         call("f", 3, [5], [6], parent="e"),
     ]
     result = merge_calls_into_rows(calls)
-    assert [r.call_ids for r in result.rows] == [("a2",)]
-    assert dict(result.stats.dropped) == {"error": 1, "duplicate": 1, "missing_parent": 1}
+    assert [r.call_ids for r in result.rows] == [("a", "f")]  # "f" extends "a", which is swapped back in
+    assert arrays(result.rows[0])[0] == [1, 2, 3, 5, 6]
+    assert dict(result.stats.dropped) == {"error": 1, "duplicate": 1}
+    full = [call("a", 0, [1], [2]), call("e", 1, [1, 2, 3], [], status=ERROR), call("a2", 2, [1], [4]),
+            call("f", 3, [1, 2, 3, 5], [6])]
+    assert merge_calls_into_rows(full).stats == result.stats
 
 
 def test_length_limits_drop_or_cut_and_count():
@@ -231,7 +248,7 @@ def test_stats_add_up_and_flatten_for_metrics():
     total.add(two)
     metrics = total.as_metrics()
     assert metrics["calls"] == 3 and metrics["rows"] == 2 and metrics["dropped_error"] == 1
-    assert metrics["split_truncation"] == 1 and metrics["split_history_edited"] == 0
+    assert metrics["split_new_conversation"] == 1 and metrics["split_history_edited"] == 0
     assert np.isclose(metrics["row_tokens"], 4)
 
 

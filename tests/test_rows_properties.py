@@ -92,6 +92,43 @@ def trajectories(draw) -> list[Sent]:
     return sent
 
 
+@st.composite
+def interleaved_trajectories(draw) -> list[Sent]:
+    """Two or three trajectories (an agent and its sub-agents) whose calls alternate in one attempt in a drawn
+    order; their prompts may start with the same tokens (a shared template head)."""
+    head = draw(st.lists(st.integers(0, 2), max_size=3))
+    parts = [draw(trajectories()) for _ in range(draw(st.integers(2, 3)))]
+    order = draw(st.permutations([i for i, part in enumerate(parts) for _ in part]))
+    sent: list[Sent] = []
+    taken = [0] * len(parts)
+    for i in order:
+        s = parts[i][taken[i]]
+        taken[i] += 1
+        seq = len(sent)
+        sent.append(Sent(f"c{seq}", seq, head + s.prompt, s.completion, [-(seq + 1) - j / 1000 for j in
+                                                                       range(len(s.logprobs))], s.status, s.version))
+    return sent
+
+
+def any_base_encode(sent: list[Sent], pick, rollout: str = "r1", attempt: int = 0) -> list[StoredCall]:
+    """A delta encoding against any earlier call whose prompt + completion (not empty) begins the prompt, chosen
+    by ``pick`` from the candidates (None among them: stored in full), as a store with a different view of
+    which calls were stored might choose."""
+    out = []
+    for i, s in enumerate(sent):
+        candidates: list[Sent | None] = [None]
+        for earlier in sent[:i]:
+            head = earlier.prompt + earlier.completion
+            if head and s.prompt[: len(head)] == head:
+                candidates.append(earlier)
+        base = pick(candidates)
+        parent, suffix = (None, s.prompt) if base is None else (
+            base.call_id, s.prompt[len(base.prompt) + len(base.completion) :])
+        out.append(StoredCall(s.call_id, rollout, attempt, s.seq, parent, suffix, s.completion, s.logprobs,
+                              s.version, s.status))
+    return out
+
+
 def delta_encode(sent: list[Sent], rollout: str = "r1", attempt: int = 0) -> list[StoredCall]:
     """What the store writes: a reference to the previous call when the prompt extends its prompt + completion."""
     out = []
@@ -170,6 +207,8 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
                     common += 1
                 if common >= len(previous.prompt):
                     splits["template_drift"] += 1
+                elif not any(s.prompt[: len(k.prompt)] == k.prompt for k in kept[: kept.index(s)]):
+                    splits["new_conversation"] += 1
                 elif len(s.prompt) < len(content):
                     splits["truncation"] += 1
                 else:
@@ -229,19 +268,36 @@ def test_merged_rows_match_the_reference_model(sent, max_prompt, max_row):
     assert order == [s.call_id for s in kept]
 
 
+def assert_same_rows(a, b) -> None:
+    assert len(a.rows) == len(b.rows)
+    for x, y in zip(a.rows, b.rows):
+        assert x.call_ids == y.call_ids and x.completion_spans == y.completion_spans
+        np.testing.assert_array_equal(x.input_ids, y.input_ids)
+        np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+        np.testing.assert_array_equal(x.rollout_logprobs, y.rollout_logprobs)
+    assert a.stats == b.stats
+
+
 @settings(max_examples=200, deadline=None)
 @given(sent=trajectories(), max_prompt=limits, max_row=limits)
 def test_full_records_give_the_same_rows_as_deltas(sent, max_prompt, max_row):
     delta = merge_calls_into_rows(delta_encode(sent), max_prompt_tokens=max_prompt, max_row_tokens=max_row)
     full = merge_calls_into_rows(calls_from_records(as_records(sent)), max_prompt_tokens=max_prompt,
                                  max_row_tokens=max_row)
-    assert len(delta.rows) == len(full.rows)
-    for a, b in zip(delta.rows, full.rows):
-        assert a.call_ids == b.call_ids and a.completion_spans == b.completion_spans
-        np.testing.assert_array_equal(a.input_ids, b.input_ids)
-        np.testing.assert_array_equal(a.loss_mask, b.loss_mask)
-        np.testing.assert_array_equal(a.rollout_logprobs, b.rollout_logprobs)
-    assert delta.stats == full.stats
+    assert_same_rows(delta, full)
+
+
+@settings(max_examples=300, deadline=None)
+@given(sent=st.one_of(trajectories(), interleaved_trajectories()), data=st.data(), max_prompt=limits,
+       max_row=limits, mode=st.sampled_from(["merge", "transition"]))
+def test_rows_do_not_depend_on_which_earlier_call_a_delta_names(sent, data, max_prompt, max_row, mode):
+    """The row-equivalence invariant: a store may encode a call against any earlier call it extends (or store
+    it in full); the rows and stats are those of the full records whichever it chose."""
+    encoded = any_base_encode(sent, lambda candidates: data.draw(st.sampled_from(candidates)))
+    options = {"mode": mode, "max_prompt_tokens": max_prompt, "max_row_tokens": max_row}
+    full = merge_calls_into_rows(calls_from_records(as_records(sent)), **options)
+    assert_same_rows(merge_calls_into_rows(encoded, **options), full)
+    check_rows(full, sent, max_row)
 
 
 @settings(max_examples=200, deadline=None)

@@ -151,11 +151,13 @@ def test_chain_is_exact_however_it_arrives(store: TraceStore, order: str) -> Non
         assert parents == [None, *[c.call_id for c in calls[:-1]]]
 
 
-def test_gap_in_the_chain_stores_the_successor_in_full(store: TraceStore) -> None:
+def test_gap_in_the_chain_stores_the_successor_against_the_latest_call_it_extends(store: TraceStore) -> None:
     calls = chat_trajectory("gap", turns=4, system_tokens=30, observation_tokens=10, completion_tokens=6)
     store.add_calls([calls[0], calls[1], calls[3]])  # seq 2 lost (say, a proxy crash)
     stored = {s.seq: s for s in store.rollout_calls("gap", 0)}
-    assert stored[3].parent_call_id is None and len(stored[3].prompt_suffix) == len(calls[3].prompt_token_ids)
+    context = len(calls[1].prompt_token_ids) + len(calls[1].completion_token_ids)
+    assert stored[3].parent_call_id == calls[1].call_id
+    assert stored[3].prompt_suffix == calls[3].prompt_token_ids[context:]
     store.add_calls([calls[2]])  # arrives late: it may use seq 1, and nothing else changes
     assert store.read_calls("gap", 0) == calls
     assert store.rollout_calls("gap", 0)[2].parent_call_id == calls[1].call_id
@@ -180,8 +182,11 @@ def test_edited_history_is_stored_in_full_and_read_back_exact(store: TraceStore)
     assert raw_row(store, calls[2].call_id)["request_reused"] == 0
     assert raw_row(store, calls[2].call_id)["request"]["messages"] == messages
     assert stored[1].parent_call_id == calls[0].call_id
-    # seq 3 was built on the unedited history, so it does not extend the edited seq 2 either.
-    assert stored[3].parent_call_id is None
+    # seq 3 was built on the unedited history, so it does not extend the edited seq 2: it is stored as a delta
+    # of seq 1, the latest call whose prompt + completion begins its prompt.
+    assert stored[3].parent_call_id == calls[1].call_id
+    assert stored[3].prompt_suffix == calls[3].prompt_token_ids[len(calls[1].prompt_token_ids)
+                                                               + len(calls[1].completion_token_ids) :]
 
 
 def test_rewritten_reply_still_reuses_the_history(store: TraceStore) -> None:

@@ -137,3 +137,27 @@ def test_store_round_trip_for_any_history(store: TraceStore, calls: list[dict[st
     stored = store.rollout_calls(rollout_id, 0)
     by_id = {s.call_id: s for s in stored}
     assert [rebuild_prompt(by_id, s) for s in stored] == [r.prompt_token_ids for r in records]
+
+
+def test_interleaved_conversations_are_each_stored_as_deltas_of_their_own(store: TraceStore) -> None:
+    """An agent and its sub-agent take turns in one attempt: each call's parent is the call of its own
+    conversation whose prompt + completion is the longest prefix of its prompt (not the call just before it),
+    in one batch or call by call, so only new tokens are stored and the learner sees each call's real parent."""
+    agent, sub = [1, 2], [7, 7]
+    calls = []
+    for turn in range(4):
+        for conversation, observation in ((agent, [3, turn]), (sub, [8, turn])):
+            completion = [50 + turn, 60 + turn]
+            calls.append({"prompt": list(conversation), "completion": completion, "logprobs": [-0.5, -0.25],
+                          "request": {"messages": [{"role": "user", "content": str(conversation[:2])}]},
+                          "response": None})  # fmt: skip
+            conversation += completion + observation
+    for batch_size in (len(calls), 1):
+        rollout_id = f"interleaved-{batch_size}"
+        records = as_records(rollout_id, calls)
+        for i in range(0, len(records), batch_size):
+            store.add_calls(records[i : i + batch_size])
+        stored = store.rollout_calls(rollout_id, 0)
+        assert [s.parent_call_id for s in stored] == [None, None] + [f"{rollout_id}-{i}" for i in range(6)]
+        assert all(len(s.prompt_suffix) == 2 for s in stored)  # each stores its observation only
+        assert store.read_calls(rollout_id, 0) == records

@@ -9,20 +9,28 @@ never re-tokenized: the row is made of the exact IDs the server saw and produced
 How each call is placed (calls are taken in ``seq`` order):
 
 * **Delta calls** (``parent_call_id`` set, as the trace store writes them) extend their parent's tokens by
-  ``prompt_suffix``; when the parent sits at the end of the current row this is a plain append, no prompt is
-  compared. **Parent-less calls** (the first call, or a prompt that did not extend its predecessor, or input
-  from :func:`calls_from_records`) are compared against the current row.
+  ``prompt_suffix``; the parent's tokens are read in place from the row it sits in, so when that row is the
+  current one and the parent sits at the end of its kept content this is a plain append, no prompt is
+  compared. **Parent-less calls** (the first call, a prompt that extends no earlier call, or input from
+  :func:`calls_from_records`) are compared against the rows in full.
+* Row-equivalence invariant: every decision below is a function of the calls' full prompts, never of which
+  parent a delta names. A store may delta-encode a call against any earlier call whose prompt + completion
+  begins its prompt (it takes the longest it has stored), so rows from deltas equal rows from full records.
+  The parent only makes the comparisons cheap: what a prompt shares with its parent's row is known, and what
+  two rows share is compared once per pair and remembered (``_same_prefix``).
 * A kept call whose prompt starts with the current row's *kept content* (everything up to the end of the last
   kept completion) extends the row. Otherwise the row is closed and a new one starts with the call's full
   prompt; the split is counted by where the prompt leaves the row, relative to the previous kept call whose
   prompt ends at ``pk``: inside or after the previous completion (first difference at or past ``pk``) is
-  ``template_drift`` (the harness re-rendered the model's own output); before ``pk`` with a prompt shorter
-  than the row's kept content (the conversation shrank instead of growing) is ``truncation`` (context
-  dropped); before ``pk`` otherwise is ``history_edited``.
-* Interleaved conversations (an agent and its sub-agent in one attempt): a delta call continues the row its
-  parent is in, and a parent-less call whose prompt does not extend the current row continues the row (of the
-  ``ROW_SEARCH`` latest) whose kept content is the longest prefix of it, or whose last call it repeats; so each
-  conversation merges into its own row, and only a call that continues none starts a new one.
+  ``template_drift`` (the harness re-rendered the model's own output); otherwise a prompt that starts with
+  no kept call's prompt is ``new_conversation`` (another conversation in the attempt, e.g. a sub-agent's
+  first call, or an edit inside the first prompt); else a prompt shorter than the row's kept content (the
+  conversation shrank instead of growing) is ``truncation`` (context dropped), and any other is
+  ``history_edited``.
+* Interleaved conversations (an agent and its sub-agent in one attempt): a call whose prompt does not extend
+  the current row continues the row (of the ``ROW_SEARCH`` latest) whose kept content is the longest prefix
+  of it, or whose last call it repeats; so each conversation merges into its own row, and only a call that
+  continues none starts a new one.
 * Retries: a kept call whose full prompt equals the previous kept call's prompt is a duplicate. The later one
   is kept by default ("the last OK one"); if the next kept call extends an earlier duplicate instead, that
   one is swapped back in. Exactly one call of such a run is kept; the others count as ``duplicate``.
@@ -31,8 +39,9 @@ How each call is placed (calls are taken in ``seq`` order):
   call that extends the row is appended past its kept content (and trimmed off the emitted row unless a kept
   call builds on it, in which case its tokens are context with mask 0); one whose prompt (+ completion) is a
   prefix of the row points into it; anything else is copied aside (rare: an errored call with an edited
-  history). A call whose parent is not among the given calls cannot be reconstructed and is dropped as
-  ``missing_parent`` (so are its descendants).
+  history). A parent whose tokens in a row were overwritten since (a dropped call's tail, a completion
+  cut at ``max_row_tokens``) is rebuilt from its own tokens and its parent's. A call whose parent is not among
+  the given calls cannot be reconstructed and is dropped as ``missing_parent`` (so are its descendants).
 * Length limits, per call: a prompt longer than ``max_prompt_tokens`` drops the call (``prompt_too_long``);
   so does a prompt that leaves no room below ``max_row_tokens`` (``row_too_long``); a completion running past
   ``max_row_tokens`` is cut there (counted in ``truncated_completions``/``truncated_tokens``). A row always
@@ -69,6 +78,7 @@ class SplitReason(str, enum.Enum):
     """Why a kept call could not extend the current row and started a new one."""
 
     HISTORY_EDITED = "history_edited"
+    NEW_CONVERSATION = "new_conversation"
     TEMPLATE_DRIFT = "template_drift"
     TRUNCATION = "truncation"
 
@@ -276,9 +286,10 @@ class _Buffer:
     logged so placements that pointed past it know they are stale.
     """
 
-    __slots__ = ("alternatives", "data", "kept", "kept_end", "length", "truncations")
+    __slots__ = ("alternatives", "data", "index", "kept", "kept_end", "length", "truncations")
 
-    def __init__(self, tokens: TokenIds) -> None:
+    def __init__(self, tokens: TokenIds, index: int) -> None:
+        self.index = index  # position among the builder's rows (key of remembered prefix comparisons)
         n = len(tokens)
         self.data = np.empty(max(2 * n, 4096), dtype=np.int64)
         self.data[:n] = tokens
@@ -312,7 +323,7 @@ class _Placed:
     For a kept call, its completion starts at ``prompt_end`` and its first ``keep`` tokens are trained on.
     """
 
-    __slots__ = ("buffer", "call", "end", "extra", "keep", "n_trunc", "prompt_end")
+    __slots__ = ("buffer", "call", "end", "extra", "keep", "n_trunc", "parent", "prompt_end")
 
     def __init__(
         self, call: StoredCall, buffer: _Buffer | None, end: int, extra: np.ndarray | None = None
@@ -324,6 +335,7 @@ class _Placed:
         self.extra = extra
         self.prompt_end = 0
         self.keep = 0
+        self.parent: _Placed | None = None  # the placement of the call's delta parent (None: parent-less)
 
     def valid(self) -> bool:
         buffer = self.buffer
@@ -335,9 +347,25 @@ class _Placed:
         return min(truncations[self.n_trunc:]) >= self.end
 
     def materialize(self) -> np.ndarray:
-        """The full prompt + completion as a new array (O(length); only on rare paths)."""
-        head = self.buffer.data[: self.end] if self.buffer is not None else np.empty(0, dtype=np.int64)
-        return np.concatenate((head, self.extra)) if self.extra is not None else head.copy()
+        """The full prompt + completion as a new array (O(length); only on rare paths).
+
+        A placement whose row was cut below its end (a dropped call's tail overwritten by a later call, a
+        completion past ``max_row_tokens``) is rebuilt from its own tokens and its parent's, so a later call
+        that a store delta-encoded against it still resolves."""
+        rebuilt: list[StoredCall] = []
+        node: _Placed | None = self
+        while node is not None and not node.valid():
+            rebuilt.append(node.call)
+            node = node.parent
+        parts: list[np.ndarray] = []
+        if node is not None:
+            if node.buffer is not None:
+                parts.append(node.buffer.data[: node.end])
+            if node.extra is not None:
+                parts.append(node.extra)
+        for call in reversed(rebuilt):
+            parts += (_ids(call.prompt_suffix), _ids(call.completion_token_ids))
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 class _RowBuilder:
@@ -348,32 +376,32 @@ class _RowBuilder:
         self.placed: dict[str, _Placed] = {}
         self.cur: _Buffer | None = None
         self.rows: list[_Buffer] = []
+        # (row index, row index) -> (leading tokens known equal, differ right after?, cuts seen of each row)
+        self._prefixes: dict[tuple[int, int], tuple[int, bool, int, int]] = {}
 
     # -- one call ---------------------------------------------------------------------------------------------
 
     def add(self, call: StoredCall) -> None:
         self.stats.calls += 1
-        reason = _status_drop_reason(call)
-
-        # Resolve the call's full prompt as cur.data[:e] + suffix (e == 0: suffix is the whole prompt).
-        cur = self.cur
-        suffix: TokenIds = call.prompt_suffix
-        e = 0
+        parent = None
         if call.parent_call_id is not None:
             parent = self.placed.get(call.parent_call_id)
-            if parent is None or not parent.valid():
+            if parent is None:
                 self.stats.dropped[DropReason.MISSING_PARENT.value] += 1
                 return
-            if parent.buffer is not None and parent.buffer is not cur:
-                cur = self.cur = parent.buffer  # an interleaved conversation: continue its own row
-            if parent.buffer is cur and cur is not None:
-                e = parent.end
-                if parent.extra is not None:
-                    suffix = np.concatenate((parent.extra, _ids(suffix)))
-            else:  # parent lives aside: compare the whole prompt with the current row
-                suffix = np.concatenate((parent.materialize(), _ids(suffix)))
-        elif cur is not None:
-            cur = self.cur = self._row_for(suffix, cur)
+        self._add(call, _view(parent, call.prompt_suffix))
+        self.placed[call.call_id].parent = parent
+
+    def _add(self, call: StoredCall, view: _View) -> None:
+        reason = _status_drop_reason(call)
+        # The row is chosen from the prompt's tokens alone (never from which parent the store delta-encoded
+        # the call against), then the prompt is expressed as cur.data[:e] + suffix (e == 0: suffix is all).
+        cur = self.cur
+        matched = -1
+        if cur is not None:
+            cur, matched = self._row_for(view, cur)
+            self.cur = cur
+        e, suffix = _relative(view, cur, matched)
         length = e + len(suffix)
         if reason is None:
             reason = self._length_drop_reason(length)
@@ -383,8 +411,7 @@ class _RowBuilder:
 
         if cur is None:
             if keepable:
-                buffer = _Buffer(suffix)
-                self.rows.append(buffer)
+                buffer = self._new_row(suffix)
                 self.cur = buffer
                 self._append_kept(buffer, call, length)
             else:
@@ -401,6 +428,9 @@ class _RowBuilder:
             if cur.alternatives and diverge_at >= last.prompt_end:
                 alternative = _alternative_extended_by(cur, last.prompt_end, e, suffix)
                 if alternative is not None:
+                    if e > last.prompt_end:  # the swap rewrites data past prompt_end: keep the prompt whole
+                        suffix = np.concatenate((cur.data[last.prompt_end : e], _ids(suffix)))
+                        e = last.prompt_end
                     self._swap_in(cur, alternative)
                     kept_end = cur.kept_end
                     extends, diverge_at = _relation(cur.data, e, suffix, kept_end)
@@ -419,9 +449,13 @@ class _RowBuilder:
         prompt = np.concatenate((cur.data[:e], _ids(suffix)))
         if keepable:
             last = cur.kept[-1]
-            self.stats.splits[_split_reason(diverge_at, length, last.prompt_end, kept_end).value] += 1
-            buffer = _Buffer(prompt)
-            self.rows.append(buffer)
+            split = _split_reason(diverge_at, length, last.prompt_end, kept_end)
+            if split is not SplitReason.TEMPLATE_DRIFT and not self._begins_with_a_kept_prompt(
+                _View(cur, e, suffix, length)
+            ):
+                split = SplitReason.NEW_CONVERSATION
+            self.stats.splits[split.value] += 1
+            buffer = self._new_row(prompt)
             self.cur = buffer
             self._append_kept(buffer, call, length)
             return
@@ -435,19 +469,88 @@ class _RowBuilder:
 
     # -- helpers ------------------------------------------------------------------------------------------------
 
-    def _row_for(self, prompt: TokenIds, cur: _Buffer) -> _Buffer:
-        """The row a parent-less prompt continues: the current one if it extends it (or repeats its last
-        call), else the row among the ``ROW_SEARCH`` latest whose kept content is the longest prefix of the
-        prompt or whose last call it repeats (interleaved conversations: an agent and its sub-agent), else
-        the current one (the prompt starts a new row, a split counted against it)."""
-        length = len(prompt)
-        if _continues(cur, prompt, length):
-            return cur
-        best, best_end = cur, -1
+    def _row_for(self, view: _View, cur: _Buffer) -> tuple[_Buffer, int]:
+        """The row a prompt continues, and how many of its tokens that row's content gives (-1: none).
+
+        The current row if the prompt extends it (or repeats its last call), else the row among the
+        ``ROW_SEARCH`` latest whose kept content is the longest prefix of the prompt or whose last call it
+        repeats (interleaved conversations: an agent and its sub-agent), else the current one (the prompt
+        starts a new row, a split counted against it). A function of the prompt's tokens only, so full
+        records and any delta encoding of them choose the same row."""
+        matched = self._continues(cur, view)
+        if matched >= 0:
+            return cur, matched
+        best, best_matched, best_end = cur, -1, -1
         for buffer in self.rows[-ROW_SEARCH:]:
-            if buffer is not cur and buffer.kept_end > best_end and _continues(buffer, prompt, length):
-                best, best_end = buffer, buffer.kept_end
-        return best
+            if buffer is not cur and buffer.kept_end > best_end:
+                matched = self._continues(buffer, view)
+                if matched >= 0:
+                    best, best_matched, best_end = buffer, matched, buffer.kept_end
+        return best, best_matched
+
+    def _continues(self, buffer: _Buffer, view: _View) -> int:
+        """``buffer.kept_end`` if the prompt extends the row's kept content, its last kept call's prompt length
+        if the prompt repeats that prompt, else -1."""
+        n = buffer.kept_end
+        if view.length >= n:
+            return n if self._matches(buffer, n, view) else -1
+        last = buffer.kept[-1].prompt_end
+        return last if view.length == last and self._matches(buffer, last, view) else -1
+
+    def _matches(self, buffer: _Buffer, n: int, view: _View) -> bool:
+        """Whether the prompt (at least ``n`` tokens) starts with ``buffer.data[:n]``.
+
+        The part the prompt takes from its base row is compared through ``_same_prefix`` (remembered per
+        pair of rows), so a delta call costs its new tokens, not its length; a parent-less prompt is
+        compared in full."""
+        e = view.e
+        m = min(n, e)
+        if m and view.base is not buffer and not self._same_prefix(buffer, view.base, m):
+            return False
+        if n <= e:
+            return True
+        return bool(np.array_equal(buffer.data[e:n], _ids(view.tail[: n - e])))
+
+    def _same_prefix(self, a: _Buffer, b: _Buffer, m: int) -> bool:
+        """Whether two rows' first ``m`` tokens are equal (both hold at least ``m``).
+
+        Per pair the builder remembers how many leading tokens are known equal and whether they differ right
+        after; a row only changes past a cut it logs (``truncations``), so each token pair is compared about
+        once and interleaved conversations are told apart in constant time per call."""
+        if a.index > b.index:
+            a, b = b, a
+        key = (a.index, b.index)
+        known = self._prefixes.get(key)
+        equal, differs = 0, False
+        if known is not None:
+            equal, differs, cuts_a, cuts_b = known
+            cut = min(_cut_since(a, cuts_a), _cut_since(b, cuts_b))
+            if cut <= equal:
+                equal, differs = cut, False
+        if m <= equal:
+            result = True
+        elif differs:
+            result = False
+        else:
+            differ = np.flatnonzero(a.data[equal:m] != b.data[equal:m])
+            result = not differ.size
+            equal, differs = (m, False) if result else (equal + int(differ[0]), True)
+        self._prefixes[key] = (equal, differs, len(a.truncations), len(b.truncations))
+        return result
+
+    def _begins_with_a_kept_prompt(self, view: _View) -> bool:
+        """Whether the prompt starts with the prompt of any call kept so far (a row's first kept prompt is the
+        shortest of its row, the others extend it); only asked at a split."""
+        for buffer in self.rows:
+            n = buffer.kept[0].prompt_end
+            if view.length >= n and self._matches(buffer, n, view):
+                return True
+        return False
+
+    def _new_row(self, prompt: TokenIds) -> _Buffer:
+        buffer = _Buffer(prompt, len(self.rows))
+        self.rows.append(buffer)
+        return buffer
 
     def _length_drop_reason(self, prompt_length: int) -> DropReason | None:
         if self.max_prompt is not None and prompt_length > self.max_prompt:
@@ -594,10 +697,45 @@ def _status_drop_reason(call: StoredCall) -> DropReason | None:
     return None
 
 
-def _continues(buffer: _Buffer, prompt: TokenIds, length: int) -> bool:
-    """Whether a whole prompt extends ``buffer``'s kept content or repeats its last kept call's prompt."""
-    extends, diverge_at = _relation(buffer.data, 0, prompt, buffer.kept_end)
-    return extends or (bool(buffer.kept) and diverge_at == length == buffer.kept[-1].prompt_end)
+@dataclass(frozen=True, slots=True)
+class _View:
+    """A prompt as ``base.data[:e] + tail`` (``base`` None: ``tail`` is the whole prompt), ``length`` tokens."""
+
+    base: _Buffer | None
+    e: int
+    tail: TokenIds
+    length: int
+
+
+def _view(parent: _Placed | None, suffix: TokenIds) -> _View:
+    """A call's prompt: its parent's prompt + completion (read in place from the parent's row) + suffix."""
+    if parent is None:
+        return _View(None, 0, suffix, len(suffix))
+    if parent.buffer is not None and parent.valid():
+        tail = suffix if parent.extra is None else np.concatenate((parent.extra, _ids(suffix)))
+        return _View(parent.buffer, parent.end, tail, parent.end + len(tail))
+    whole = np.concatenate((parent.materialize(), _ids(suffix)))
+    return _View(None, 0, whole, len(whole))
+
+
+def _relative(view: _View, cur: _Buffer | None, matched: int) -> tuple[int, TokenIds]:
+    """The prompt as ``(e, suffix)`` with ``cur.data[:e] + suffix`` equal to it; ``matched``: how many of its
+    first tokens ``cur.data`` is known to hold (-1: unknown)."""
+    base, e, tail = view.base, view.e, view.tail
+    if base is None:
+        return 0, tail
+    if base is cur:
+        return e, tail
+    if matched >= e:
+        return matched, tail[matched - e :]
+    if matched >= 0:
+        return matched, np.concatenate((base.data[matched:e], _ids(tail)))
+    return 0, np.concatenate((base.data[:e], _ids(tail)))
+
+
+def _cut_since(buffer: _Buffer, seen: int) -> int:
+    """The shortest length ``buffer`` was cut to after its first ``seen`` cuts (no cut: a huge number)."""
+    return min(buffer.truncations[seen:], default=1 << 62)
 
 
 def _relation(data: np.ndarray, e: int, suffix: TokenIds, kept_end: int) -> tuple[bool, int]:

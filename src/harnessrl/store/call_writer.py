@@ -38,6 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 
+from harnessrl.store import delta
 from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
 from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
 from harnessrl.store.delta import Anchor
@@ -102,13 +103,12 @@ def write_calls(
     in_batch: dict[Key, PreparedCall] = {}
     for p in new:
         in_batch.setdefault(p.key, p)
+    anchors = _parents(conn, new, in_batch, stored)
     rows: list[tuple[PreparedCall, dict[str, Any]]] = []
     problems: dict[str, str] = {}
     for p in new:
-        key = p.predecessor_key
-        anchor = None if key is None else in_batch[key].anchor if key in in_batch else stored.get(key)
         try:
-            rows.append((p, p.encode(anchor)))
+            rows.append((p, p.encode(anchors.get(p.record.call_id))))
         except ValueError as exc:
             problems[p.record.call_id] = str(exc)
     if problems:
@@ -120,6 +120,48 @@ def write_calls(
         inserted = set(conn.scalars(_insert_with_json_text(insert), [_with_json_text(p, r) for p, r in rows]))
     _unlink_from_skipped(conn, new, inserted)
     return len(inserted)
+
+
+def _parents(
+    conn: Connection, new: list[PreparedCall], in_batch: dict[Key, PreparedCall], stored: dict[Key, Anchor]
+) -> dict[str, Anchor]:
+    """Each call's anchor: its predecessor (seq - 1) when that one's tokens begin its prompt; otherwise, of the
+    ``PARENT_SEARCH`` calls before it (in the batch or stored; one more lookup, only for such calls), the one
+    whose prompt + completion is the longest token prefix of its prompt (the nearest on a tie), else the
+    predecessor still (its request input may be reused)."""
+
+    def anchor_at(key: Key) -> Anchor | None:
+        return in_batch[key].anchor if key in in_batch else stored.get(key)
+
+    chosen: dict[str, Anchor] = {}
+    searching: list[PreparedCall] = []
+    for p in new:
+        key = p.predecessor_key
+        anchor = None if key is None else anchor_at(key)
+        if anchor is not None:
+            chosen[p.record.call_id] = anchor
+        if key is not None and (anchor is None or not delta.extends(p.prompt_bytes, anchor)):
+            searching.append(p)
+    if not searching:
+        return chosen
+    wanted = {k for p in searching for k in _earlier_keys(p) if k not in in_batch and k not in stored}
+    stored.update(_stored_anchors(conn, wanted))
+    for p in searching:
+        best, best_len = None, 0
+        for key in _earlier_keys(p):
+            anchor = anchor_at(key)
+            n = 0 if anchor is None else delta.extends(p.prompt_bytes, anchor)
+            if n > best_len:
+                best, best_len = anchor, n
+        if best is not None:
+            chosen[p.record.call_id] = best
+    return chosen
+
+
+def _earlier_keys(p: PreparedCall) -> list[Key]:
+    """The places of the calls a call may extend, nearest first."""
+    r = p.record
+    return [(r.rollout_id, r.attempt, seq) for seq in range(r.seq - 1, max(r.seq - 1 - delta.PARENT_SEARCH, -1), -1)]
 
 
 def _renumber_restarted(conn: Connection, new: list[PreparedCall], stored: dict[Key, Anchor]) -> None:

@@ -1,8 +1,18 @@
 """Prefix-delta encoding: store a call as "its predecessor's context + what is new".
 
 In an agent loop every call resends the whole history, so storing each prompt in full costs the sum of all
-prompts (quadratic in turns). Instead a call that extends its predecessor (the call just before it in the same
-rollout attempt) keeps only a reference plus the new suffix, and storage grows with the final length.
+prompts (quadratic in turns). Instead a call that extends its predecessor keeps only a reference plus the new
+suffix, and storage grows with the final length. The predecessor is the call just before it in the same rollout
+attempt; when that one's tokens do not begin the prompt, it is the one of the attempt's ``PARENT_SEARCH``
+calls before it whose prompt + completion is the longest token prefix of the prompt (``call_writer``), so two
+conversations interleaved in one attempt (an agent and its sub-agent) are each stored as a chain of deltas.
+
+Invariant (rows): training rows built from the stored deltas (``TraceStore.rollout_calls``) are identical to
+rows built from the full records, whichever earlier call the store chose as a base: which calls were stored when
+a call arrived (a late call, a batch boundary) changes the base, never the rows. A delta parent only tells the
+row builder (``harnessrl.trainer.rows``) the tokens its prompt begins with; the builder picks the row, the split
+reason and the duplicates from the prompt's tokens alone. ``tests/test_rows_store.py`` checks this on random
+trajectories through the real store.
 
 Two independent parts use the same predecessor:
 
@@ -29,6 +39,7 @@ from typing import Any
 from harnessrl.store.codec import copy_json
 
 DIGEST_SIZE = 16
+PARENT_SEARCH = 8  # earlier calls of the attempt a call may extend when the one just before it does not
 
 RequestInput = list[Any] | str
 
@@ -181,6 +192,14 @@ def _reused_input(request_in: RequestInput, anchor: Anchor, input_digests: list[
     return 0
 
 
+def extends(prompt_bytes: bytes, anchor: Anchor) -> int:
+    """How many tokens of the prompt are the anchor's prompt + completion (0: it does not start with them)."""
+    n = anchor.context_len
+    if 0 < n and 4 * n <= len(prompt_bytes) and tokens_digest(prompt_bytes[: 4 * n]) == anchor.context_digest:
+        return n
+    return 0
+
+
 def encode(
     prompt_bytes: bytes,
     request: dict[str, Any],
@@ -194,13 +213,7 @@ def encode(
     reused = 0
     stored_request = request
     if anchor is not None:
-        n = anchor.context_len
-        if (
-            0 < n
-            and 4 * n <= len(prompt_bytes)
-            and tokens_digest(prompt_bytes[: 4 * n]) == anchor.context_digest
-        ):
-            offset = n
+        offset = extends(prompt_bytes, anchor)
         request_in = request_input(request)
         if request_in is not None:
             reused = _reused_input(request_in, anchor, input_digests)

@@ -501,8 +501,10 @@ class TraceStore:
     def add_calls(self, calls: Sequence[CallRecord | PreparedCall]) -> int:
         """Store calls, skipping call_ids already stored; returns how many were newly inserted.
 
-        Each call is delta-encoded against its predecessor (same rollout attempt, seq - 1) when that is in
-        this batch or already stored; a predecessor not yet stored means the call is stored in full, so a
+        Each call is delta-encoded against its predecessor (same rollout attempt, seq - 1; or, when that one's
+        tokens do not begin its prompt, the earlier call whose prompt + completion is the longest token prefix
+        of it: ``call_writer``) when that is in this batch or already stored; a predecessor not yet stored
+        means the call is stored in full, so a
         delta never references a row that does not exist (stored rows carry the digests a successor is
         checked against, so no predecessor is needed in memory). A call may come already prepared
         (``prepare_call``; the proxy does that as it captures). Invalid calls raise ``InvalidCall`` naming
