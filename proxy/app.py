@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -416,6 +417,8 @@ class CaptureProxy:
                         )  # fmt: skip
                         if chat_body is not None and body.get("stream") is True:
                             return await self._replayed(request, x)
+                        if getattr(plan, "replay", False):  # a streamed chat call the server's parsers read
+                            return await self._replayed(request, x, plan.replay_sse)  # type: ignore[attr-defined]
                         return await (self._streamed(request, x) if plan.stream else self._unary(x))
                 shapes = wire(route)
                 sampling = cfg.sampling_for(who.rollout_id)
@@ -506,10 +509,13 @@ class CaptureProxy:
         )
         return web.Response(body=out, status=answer.status, content_type="application/json")
 
-    async def _replayed(self, request: web.Request, x: Exchange) -> web.StreamResponse:
-        """A streamed Responses call in train mode, or a streamed Messages call: fetched whole, captured, then
-        replayed to the harness as its API's event stream (``responses_api.py`` and ``anthropic_api.py`` say
-        why); an error answer goes back as it came."""
+    async def _replayed(
+        self, request: web.Request, x: Exchange, replay: Callable[[dict[str, Any]], bytes] | None = None
+    ) -> web.StreamResponse:
+        """A streamed Responses call in train mode, a streamed Messages call, or a streamed chat call continued
+        through the server's parsers (``replay``: its answer as stream bytes): fetched whole, captured, then
+        replayed to the harness as its API's event stream (``responses_api.py``, ``anthropic_api.py`` and
+        ``continuity.py`` say why); an error answer goes back as it came."""
         answer = await self._unary(x)
         if answer.status != 200 or not isinstance(answer.body, bytes):
             return answer
@@ -520,7 +526,11 @@ class CaptureProxy:
         await resp.prepare(request)
         try:
             shapes = wire(x.route)
-            await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(loads(answer.body)))))
+            answered = loads(answer.body)
+            if replay is not None:
+                await resp.write(replay(answered))
+            else:
+                await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(answered))))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             pass  # the harness left after its call was stored: nothing to undo

@@ -203,5 +203,8 @@ def test_tools_with_automatic_choice_continue_and_answer_what_the_parser_reads(c
         assert call.prompt_token_ids[: len(context)] == context
     for call in calls:
         message = call.response["choices"][0]["message"]
-        text = tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
-        assert message.get("tool_calls") or text == message["content"]
+        # with tools the parser reads special tokens too (vLLM keeps them in the text), the stop token aside; a
+        # character cut by max_tokens decodes to U+FFFD here and is held back by vLLM's detokenizer
+        ids = call.completion_token_ids[:-1] if call.finish_reason == "stop" else call.completion_token_ids
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        assert message.get("tool_calls") or (message["content"] or "") in (text, text.rstrip("\ufffd"))

@@ -4,7 +4,8 @@ continues the previous call's exact tokens, so a rollout merges into one trainin
 (``test_proxy_tools_vllm.py``, whose session-scoped server this module shares).
 
 The proxy serves both routes as the chat completions they amount to (``proxy/chat_served.py``); a streamed call
-is answered whole, so it continues too. Where continuity cannot apply, the call says why: ``previous_response_id``
+is answered whole, so it continues too; so is a streamed chat call the server's tool parser must read. Where
+continuity cannot apply, the call says why: ``previous_response_id``
 gets a 400 naming it, and a Responses call the translation cannot carry is served by vLLM's own route with its
 reason counted.
 """
@@ -77,10 +78,12 @@ def check_one_row(proxy: RunningProxy, store: TraceStore, rollout: str, route: s
     for call, (tool, got) in zip(calls, received, strict=True):
         assert len(call.logprobs) == len(call.completion_token_ids) > 0
         assert "_harnessrl_tokens" not in call.response
-        text = tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
-        if tool is None:
+        if tool is None:  # with tools the parser reads special tokens too, so the text keeps any it sampled
+            ids = call.completion_token_ids[:-1] if call.finish_reason == "stop" else call.completion_token_ids
+            text = tokenizer.decode(ids, skip_special_tokens=False)
             assert text == got or text.rstrip("\ufffd") == got
         else:  # hermes: the sampled tokens are the call in the parser's format, exactly what the client got
+            text = tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
             assert json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>")) == {
                 "name": tool, "arguments": got}
     result = merge_calls_into_rows(store.rollout_calls(rollout, 0))
@@ -110,7 +113,6 @@ def test_anthropic_function_calling_loop_merges_into_one_row(captured, tokenizer
             message = c.messages.create(**kwargs)
         messages = [*messages, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]}]
         if tool is None:
-            assert message.stop_reason == "max_tokens"
             received.append((None, "".join(b.text for b in message.content if b.type == "text")))
             break
         (use,) = message.content
@@ -146,7 +148,6 @@ def test_responses_function_calling_loop_merges_into_one_row(captured, tokenizer
             response = c.responses.create(**kwargs)
         items = [*items, *(item.model_dump(exclude_none=True) for item in response.output)]
         if tool is None:
-            assert response.status == "incomplete"
             received.append((None, response.output_text))
             break
         (call,) = response.output
@@ -155,6 +156,33 @@ def test_responses_function_calling_loop_merges_into_one_row(captured, tokenizer
         items.append({"type": "function_call_output", "call_id": call.call_id, "output": f"result {turn}: 3 failed"})
     assert continuity(proxy, "used") - used == len(CHOICES) - 1
     check_one_row(proxy, store, "responses-loop", "responses", tokenizer, received)
+
+
+def test_streamed_chat_function_calling_loop_merges_into_one_row(captured, tokenizer):
+    """The openai client streaming chat completions with tools: each call is served whole through the server's
+    render/generate/derender and replayed as chunks, so it continues the previous call's tokens and the client
+    assembles proper tool calls (and the usage it asked for) from the stream."""
+    proxy, store = captured
+    c = openai.OpenAI(base_url=f"{proxy.url}/rollouts/chat-stream-loop/attempts/0/v1", api_key="unused",
+                      max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": name, "description": f"{name} in the repository",
+                                                "parameters": schema, "strict": True}} for name, schema in SCHEMAS.items()]
+    used, fallbacks = continuity(proxy, "used"), continuity(proxy, "stream_needs_parser")
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": TASK}]
+    received: list[tuple[str | None, object]] = []
+    for turn, tool in enumerate(CHOICES[:3]):
+        with c.chat.completions.stream(model="m", messages=messages, tools=tools, max_tokens=128,
+                                       tool_choice={"type": "function", "function": {"name": tool}},
+                                       stream_options={"include_usage": True}) as stream:
+            completion = stream.get_final_completion()
+        message = completion.choices[0].message
+        (call,) = message.tool_calls
+        assert call.function.name == tool and call.id and completion.usage.completion_tokens > 0
+        received.append((tool, json.loads(call.function.arguments)))
+        messages += [{"role": "assistant", "content": message.content, "tool_calls": [call.model_dump()]},
+                     {"role": "tool", "tool_call_id": call.id, "content": f"result {turn}: 3 tests failed"}]
+    assert continuity(proxy, "used") - used == 2 and continuity(proxy, "stream_needs_parser") == fallbacks
+    check_one_row(proxy, store, "chat-stream-loop", "chat", tokenizer, received)
 
 
 def test_responses_previous_response_id_is_refused_and_untranslatable_calls_say_why(captured):
