@@ -43,7 +43,7 @@ def flights_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     harness["command"] = ["python", str(EXAMPLE / "harness.py")]
     harness["tasks"] = {"inline": [json.loads(line) for line in (EXAMPLE / "tasks.jsonl").read_text().splitlines()[:4]]}
     harness.update(groupSize=2, concurrency=4)
-    spec["spec"]["learner"].update(steps=STEPS, tasksPerStep=2)
+    spec["spec"]["learner"].update(steps=STEPS, tasksPerStep=2, maxStaleness=0)
     (base / "run.yaml").write_text(yaml.safe_dump(spec))
     run_dir = base / "run"
     proc = subprocess.run([sys.executable, "-m", "harnessrl.cli", "run", str(base / "run.yaml"), "--run-dir",

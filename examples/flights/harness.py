@@ -7,10 +7,10 @@ reading its task and posting one reward.
 
 The conversation, one per rollout: the user asks for a flight; the agent must call ``find`` (the request's
 ``tool_choice`` names it; the SDK resets it to "auto" after the call), gets the tool's answer and replies; the
-user says what to book; the agent must call ``book``, gets the confirmation and replies. Two to four model
-calls (a forced call cut off at ``max_tokens`` is the SDK's final answer for its turn), each resending the
-whole history (tools included), so the proxy continues every call from the previous one's exact tokens and
-the rollout trains as one row.
+user says what to book; the agent must call ``book``, gets the confirmation and replies. Usually four model
+calls (a forced call cut off at ``max_tokens`` is the SDK's final answer for its turn; a reply that calls a
+tool gets another turn, up to ``MAX_TURNS``), each resending the whole history (tools included), so the proxy
+continues every call from the previous one's exact tokens and the rollout trains as one row.
 
 Why forced calls: a random model does not choose to call a tool, but with ``tool_choice`` naming the function
 vLLM constrains decoding to the tool-call format and (the SDK's tools are ``strict``) to the argument schema,
