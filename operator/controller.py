@@ -381,7 +381,8 @@ class RunController:
     def _progress(self, observed: Observed, status: dict[str, Any]) -> None:
         spec = self.run.spec
         ledger = LearnerLedger(self.store, self.name)
-        observed.evaluation = evaluation_results(self.store, self.name, spec.evaluation)
+        if spec.evaluation is not None:  # without one there is nothing to read (three queries a pass)
+            observed.evaluation = evaluation_results(self.store, self.name, spec.evaluation)
         step = ledger.committed_step()  # trained or empty (a step with nothing to train makes no version)
         serving = self.store.latest_policy_version(self.name, synced_only=True)
         observed.policy_version = serving or 0
