@@ -25,7 +25,8 @@ of the rollout's rows; 1.00 is a perfect merge) and the split reasons the row bu
   tool call instead (a few tokens differ inside every call: what a server-side chat template gives without
   token continuity);
 * ``interleaved``: an agent and its sub-agent, two conversations sharing the first tokens of the template,
-  whose calls alternate in one rollout (``turns`` calls in all).
+  whose calls alternate in one rollout (``turns`` calls in all); the store keeps each call as a delta of its
+  own conversation's previous call (checked), and the sub-agent's first call counts as ``new_conversation``.
 
     python bench/rows.py                 # 10, 50 and 200 turns, ~1M row tokens per length
     python bench/rows.py --scale 4 --repeat 9
@@ -154,8 +155,9 @@ def load(
         del records
         calls = store.rollout_calls(rollout_id, 0)
         delta = sum(c.parent_call_id is not None for c in calls)
-        if kind == "plain" and delta != turns - 1:
-            sys.exit(f"store returned {delta} delta calls for {turns} turns; expected {turns - 1}")
+        expected = {"plain": turns - 1, "interleaved": turns - 2}.get(kind)  # each conversation's first is full
+        if expected is not None and delta != expected:
+            sys.exit(f"store returned {delta} delta calls for {turns} {kind} turns; expected {expected}")
         loaded.append(calls)
     return loaded
 

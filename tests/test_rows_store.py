@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_rows_properties import (
     Sent,
@@ -107,28 +109,29 @@ def test_interleaved_conversations_are_stored_as_deltas_and_merge_into_a_row_eac
 _counter = itertools.count()
 
 
-@settings(max_examples=int(os.environ.get("HARNESSRL_ROWS_STORE_EXAMPLES", "40")), deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@pytest.fixture(scope="module")
+def sqlite_store(tmp_path_factory) -> Iterator[TraceStore]:
+    """One migrated SQLite store for every random trajectory (each under its own rollout id)."""
+    store = TraceStore.connect(f"sqlite:///{tmp_path_factory.mktemp('rows_store') / 'rows_store.db'}")
+    store.upgrade()
+    yield store
+    store.close()
+
+
+@settings(max_examples=int(os.environ.get("HARNESSRL_ROWS_STORE_EXAMPLES", "40")), deadline=None)
 @given(sent=st.one_of(trajectories(), interleaved_trajectories()), max_row=limits, data=st.data())
-def test_random_trajectories_through_sqlite_store(tmp_path_factory, sent, max_row, data):
+def test_random_trajectories_through_sqlite_store(sqlite_store, sent, max_row, data):
     """Written in batches of drawn sizes, so some calls find their best base stored and some do not."""
-    path = tmp_path_factory.getbasetemp() / "rows_store.db"
-    store = TraceStore.connect(f"sqlite:///{path}")
-    try:
-        store.upgrade()
-        rollout = f"h{next(_counter)}"
-        records = as_records(sent, rollout=rollout)
-        for record in records:
-            record.call_id = f"{rollout}-{record.call_id}"
-        start = 0
-        while start < len(records):
-            size = data.draw(st.integers(1, len(records) - start), label="batch")
-            store.add_calls(records[start : start + size])
-            start += size
-        stored = store.rollout_calls(rollout, 0)
-    finally:
-        store.close()
-    from_store = merge_calls_into_rows(stored, max_row_tokens=max_row)
+    rollout = f"h{next(_counter)}"
+    records = as_records(sent, rollout=rollout)
+    for record in records:
+        record.call_id = f"{rollout}-{record.call_id}"
+    start = 0
+    while start < len(records):
+        size = data.draw(st.integers(1, len(records) - start), label="batch")
+        sqlite_store.add_calls(records[start : start + size])
+        start += size
+    from_store = merge_calls_into_rows(sqlite_store.rollout_calls(rollout, 0), max_row_tokens=max_row)
     assert_same_rows(from_store, merge_calls_into_rows(calls_from_records(records), max_row_tokens=max_row))
 
 
