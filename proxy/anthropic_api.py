@@ -13,13 +13,15 @@ messages repeat an earlier call's messages and answer (its text and ``tool_use``
 
 A streamed request is answered once the completion is whole, as Anthropic's event sequence
 (``message_start``, each block's start / delta / stop, ``message_delta``, ``message_stop``): exact capture
-over token-by-token delivery, as for the Responses API. Supported content: text, ``tool_use`` and
-``tool_result`` blocks (with text content); an image or document block gets a 400 naming it.
+over token-by-token delivery, as for the Responses API. Supported content: text, ``thinking`` (the reasoning a
+server's reasoning parser splits off, answered as vLLM's own route does), ``tool_use`` and ``tool_result``
+blocks (with text content); an image or document block gets a 400 naming it.
 """
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -84,11 +86,16 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
         texts: list[str] = []
         calls: list[dict[str, Any]] = []
         results: list[dict[str, Any]] = []
+        thoughts: list[str] = []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
             if kind == "text" and isinstance(block.get("text"), str):
                 texts.append(block["text"])
+            elif kind == "thinking" and role == "assistant" and isinstance(block.get("thinking"), str):
+                thoughts.append(block["thinking"])  # the reasoning the server's parser split off, as vLLM reads it
+            elif kind == "redacted_thinking" and role == "assistant":
+                pass  # opaque (as in vLLM's own route): accepted so an echoed answer is not refused
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": block.get("id"), "type": "function", "function": {
                     "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
@@ -97,10 +104,12 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                                 "content": _text(block.get("content") or "", f"{at}.content")})
             else:
                 raise RequestError(f"'{at}' is a {kind!s} block in a {role} message; the proxy passes text, "
-                                   "tool_use (assistant) and tool_result (user) blocks", param=at)
+                                   "thinking and tool_use (assistant) and tool_result (user) blocks", param=at)
         out.extend(results)
-        if texts or calls or not results:
+        if texts or calls or thoughts or not results:
             message_out: dict[str, Any] = {"role": role, "content": "".join(texts)}
+            if thoughts:
+                message_out["reasoning"] = "".join(thoughts)
             if calls:
                 message_out["tool_calls"] = calls
             out.append(message_out)
@@ -163,6 +172,9 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     content: list[dict[str, Any]] = []
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    if reasoning:  # as vLLM's own route answers it: a thinking block (its signature a random id)
+        content.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})
     if message.get("content"):
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
@@ -212,14 +224,21 @@ def replay_events(message: Mapping[str, Any]) -> list[dict[str, Any]]:
              "usage": {**(message.get("usage") or {}), "output_tokens": 0}}
     events: list[dict[str, Any]] = [{"type": "message_start", "message": start}]
     for index, block in enumerate(message.get("content") or []):
+        signed: list[dict[str, Any]] = []
         if block.get("type") == "tool_use":
             opened = {**block, "input": {}}
             delta = {"type": "input_json_delta", "partial_json": json.dumps(block.get("input") or {})}
+        elif block.get("type") == "thinking":
+            opened = {**block, "thinking": "", "signature": ""}
+            delta = {"type": "thinking_delta", "thinking": block.get("thinking") or ""}
+            signed = [{"type": "content_block_delta", "index": index,
+                       "delta": {"type": "signature_delta", "signature": block.get("signature") or ""}}]
         else:
             opened = {**block, "text": ""}
             delta = {"type": "text_delta", "text": block.get("text") or ""}
         events += [{"type": "content_block_start", "index": index, "content_block": opened},
                    {"type": "content_block_delta", "index": index, "delta": delta},
+                   *signed,
                    {"type": "content_block_stop", "index": index}]
     events += [{"type": "message_delta", "delta": {"stop_reason": message.get("stop_reason"),
                                                    "stop_sequence": message.get("stop_sequence")},

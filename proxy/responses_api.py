@@ -1,7 +1,7 @@
 """The Responses API (``POST /v1/responses``) on vLLM 0.32: what the proxy adds, what it takes out, SSE.
 
-In train mode with token continuity on, a call the proxy can translate (text messages, ``function_call`` and
-``function_call_output`` items, function tools) is served as the chat completion it amounts to (the end of
+In train mode with token continuity on, a call the proxy can translate (text messages, ``function_call``,
+``function_call_output`` and reasoning items, function tools) is served as the chat completion it amounts to (the end of
 this module; ``chat_served.py`` says why), so its function calls get log-probs and a later call continues its
 exact tokens; ``previous_response_id`` is then refused (400 naming it: the proxy keeps no responses). Any
 other call -- and every call with continuity off or in observe mode -- goes to vLLM's own route, as follows.
@@ -261,8 +261,9 @@ def replay_events(response: Mapping[str, Any]) -> list[dict[str, Any]]:
 # completion it amounts to (``chat_served.py`` says why): ``function_call`` outputs then get their log-probs,
 # and a call whose input repeats an earlier call's input + output items (+ function_call_output items and new
 # messages) continues that call's exact tokens, as a chat call does. The translation follows vLLM's own
-# (``construct_input_messages``: instructions as the system message, a function_call joined to the assistant
-# message before it, a function_call_output as a tool message), so the prompt is what vLLM's route renders.
+# (``construct_input_messages``: instructions as the system message, a function_call or output message joined
+# to the assistant message (or reasoning item) before it, a function_call_output as a tool message), so the
+# prompt is what vLLM's route renders.
 
 # Request fields the translation carries to chat under the same name (vLLM sampling parameters included).
 SAME_IN_CHAT = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "logit_bias",
@@ -334,7 +335,16 @@ def chat_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
                 prev["content"] = text
             else:
                 out.append({"role": role, "content": text})
-        else:  # reasoning, images, built-in tools' items...: served by vLLM's own route
+        elif kind == "reasoning" and not item.get("encrypted_content"):
+            parts = item.get("content") or item.get("summary") or [{}]  # vLLM reads the first part
+            text = parts[0].get("text") if isinstance(parts, list) and isinstance(parts[0], dict) else None
+            if not isinstance(text, str):
+                raise Untranslatable("responses_input_item")
+            if prev is not None and prev.get("reasoning") is None:
+                prev["reasoning"] = text
+            else:
+                out.append({"role": "assistant", "content": None, "reasoning": text})
+        else:  # encrypted reasoning, images, built-in tools' items...: served by vLLM's own route
             raise Untranslatable("responses_input_item")
     return out
 

@@ -121,3 +121,29 @@ def test_anthropic_answer_sent_back_is_the_reply_continuity_matches():
     assert resent == [anthropic_api.chat_reply(got)]
     assert same_message(resent[0], {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "read_file", "arguments": '{"path": "a.py"}'}}]})
+
+
+REASONED_ANSWER = {
+    **CHAT_ANSWER,
+    "choices": [{**CHAT_ANSWER["choices"][0], "message": {"role": "assistant", "content": "done", "reasoning": "hm"}}],
+}
+
+
+def test_reasoning_is_answered_and_read_back_as_vllm_does():
+    """A reasoning parser's split: a thinking block (Anthropic) or reasoning item (Responses) that, sent back,
+    gives the reply with its reasoning (so continuity knows the server's parser must read the next answer)."""
+    reply = {"role": "assistant", "content": "done", "reasoning": "hm"}
+    message = anthropic_api.from_chat({"model": "m"}, REASONED_ANSWER)
+    assert [b["type"] for b in message["content"]] == ["thinking", "text"] and message["content"][0]["signature"]
+    resent = anthropic_api.chat_messages({"messages": [{"role": "assistant", "content": message["content"]}]})
+    assert resent == [reply] == [anthropic_api.chat_reply(message)]
+    events = anthropic_api.replay_events(message)
+    assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"] == [
+        "thinking_delta", "signature_delta", "text_delta"]
+    answer = responses_api.from_chat({"input": "hi"}, REASONED_ANSWER)
+    assert [i["type"] for i in answer["output"]] == ["reasoning", "message"]
+    assert responses_api.chat_messages(None, answer["output"]) == [reply] == [responses_api.chat_reply(answer)]
+    assert responses_api.chat_messages(None, [{"type": "reasoning", "summary": [], "content": [
+        {"type": "reasoning_text", "text": "hm"}]}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]) == [
+        {"role": "assistant", "content": None, "reasoning": "hm", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]  # fmt: skip

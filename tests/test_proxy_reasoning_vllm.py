@@ -10,8 +10,6 @@ gets the reasoning split off by the server's own parser (render / generate / der
 from __future__ import annotations
 
 import itertools
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,33 +18,14 @@ import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
 from proxy_servers import metric_value
-from vllm_fixtures import VllmServer, proxy_in_front, start_test_vllm
+from vllm_fixtures import VllmServer, proxy_in_front
 
 from harnessrl.store import CallStatus
 from harnessrl.trainer.rows import merge_calls_into_rows
 
-pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, reasoning_server (shared)
 
 pytestmark = pytest.mark.vllm
-
-REASONING_SERVER_ARGS = ["--enable-scale-out", "--reasoning-parser", "deepseek_r1"]
-
-
-@pytest.fixture(scope="module")
-def reasoning_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """``HARNESSRL_TEST_VLLM_REASONING_URL`` points at one already running instead (the tiny model, seed 0,
-    started with ``REASONING_SERVER_ARGS`` and served as "tiny")."""
-    external = os.environ.get("HARNESSRL_TEST_VLLM_REASONING_URL")
-    if external:
-        yield VllmServer(external.rstrip("/"), "tiny", tiny_model_dir, None)
-        return
-    log = tmp_path_factory.mktemp("vllm-reasoning") / "vllm.log"
-    server = start_test_vllm(tiny_model_dir, log, REASONING_SERVER_ARGS)
-    try:
-        yield server
-    finally:
-        server.stop()
-
 
 def test_harness_that_drops_reasoning_still_trains_one_row_of_the_sampled_tokens(
     reasoning_server: VllmServer, tiny_model_dir: Path, tmp_path: Path

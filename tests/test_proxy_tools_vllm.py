@@ -25,7 +25,7 @@ from vllm_fixtures import VllmServer, proxy_in_front
 from harnessrl.store import CallStatus
 from harnessrl.trainer.rows import merge_calls_into_rows
 
-pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (session-scoped)
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (shared)
 
 pytestmark = pytest.mark.vllm
 

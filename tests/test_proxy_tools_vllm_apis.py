@@ -1,7 +1,7 @@
 """Function-calling loops through the Anthropic SDK (``/v1/messages``) and the OpenAI Responses API
 (``/v1/responses``), through the real proxy on the real vLLM with the tool flags: each call after the first
 continues the previous call's exact tokens, so a rollout merges into one training row, as chat does
-(``test_proxy_tools_vllm.py``, whose session-scoped server this module shares).
+(``test_proxy_tools_vllm.py``, whose server this module shares).
 
 The proxy serves both routes as the chat completions they amount to (``proxy/chat_served.py``); a streamed call
 is answered whole, so it continues too; so is a streamed chat call the server's tool parser must read. Where
@@ -28,7 +28,7 @@ from vllm_fixtures import VllmServer, proxy_in_front
 from harnessrl.store import CallStatus, TraceStore
 from harnessrl.trainer.rows import merge_calls_into_rows
 
-pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (session-scoped)
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (shared)
 
 pytestmark = pytest.mark.vllm
 

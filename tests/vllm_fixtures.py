@@ -57,25 +57,71 @@ def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
         server.stop()
 
 
+class SharedServers:
+    """vLLM servers with extra flags, each shared by the test modules that use it (a start costs about a minute
+    of CI) and stopped as soon as the next test is in a module that does not use it (each holds about 3 GB), so
+    running modules that use one side by side costs a single start and nothing stays up longer than needed."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, VllmServer] = {}
+
+    def get(self, fixture: str, start: Callable[[], VllmServer]) -> VllmServer:
+        server = self._running.get(fixture)
+        if server is None:
+            server = self._running[fixture] = start()
+        return server
+
+    def release(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """After ``item``'s teardown: stop the servers ``nextitem`` (None at the end) will not use."""
+        for fixture in list(self._running):
+            if nextitem is None or (nextitem.module is not item.module and fixture not in nextitem.fixturenames):
+                self._running.pop(fixture).stop()
+
+
+SHARED_SERVERS = SharedServers()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)  # the fixtures' own teardown first (the proxies in front of a server)
+    finally:
+        SHARED_SERVERS.release(item, nextitem)
+
+
+def shared_server(fixture: str, args: list[str], url_env: str, tiny_model_dir: Path,
+                  tmp_path_factory: pytest.TempPathFactory) -> VllmServer:
+    """The shared server started with ``args``, or the one already running at ``$url_env`` (the tiny model,
+    seed 0, started with ``args`` and served as "tiny")."""
+    external = os.environ.get(url_env)
+    if external:
+        return VllmServer(external.rstrip("/"), SERVED_NAME, tiny_model_dir, None)
+    return SHARED_SERVERS.get(fixture, lambda: start_test_vllm(
+        tiny_model_dir, tmp_path_factory.mktemp(fixture) / "vllm.log", args))
+
+
 # The flags of a function-calling deployment: vLLM's hermes tool parser (the tiny model's template is Qwen2.5's,
 # with its tool markers), plus the render/generate/derender endpoints the proxy continues tool calls through.
 TOOL_SERVER_ARGS = ["--enable-scale-out", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+# A reasoning model's deployment: everything up to ``</think>`` is reasoning (for the random tiny model, its
+# whole output), plus the endpoints the proxy continues calls through while the parser splits the answer.
+REASONING_SERVER_ARGS = ["--enable-scale-out", "--reasoning-parser", "deepseek_r1"]
 
 
-@pytest.fixture(scope="session")
-def tool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A server with ``TOOL_SERVER_ARGS``, started once per session (the chat, Anthropic and Responses
-    function-calling tests share it); ``HARNESSRL_TEST_VLLM_TOOLS_URL`` points at one already running instead
-    (the tiny model, seed 0, started with ``TOOL_SERVER_ARGS`` and served as "tiny")."""
-    external = os.environ.get("HARNESSRL_TEST_VLLM_TOOLS_URL")
-    if external:
-        yield VllmServer(external.rstrip("/"), SERVED_NAME, tiny_model_dir, None)
-        return
-    server = start_test_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-tools") / "vllm.log", TOOL_SERVER_ARGS)
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def tool_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> VllmServer:
+    """A server with ``TOOL_SERVER_ARGS`` (shared: the chat, Anthropic and Responses function-calling tests);
+    ``HARNESSRL_TEST_VLLM_TOOLS_URL`` points at one already running instead."""
+    return shared_server("tool_server", TOOL_SERVER_ARGS, "HARNESSRL_TEST_VLLM_TOOLS_URL", tiny_model_dir,
+                         tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> VllmServer:
+    """A server with ``REASONING_SERVER_ARGS`` (shared: the chat, Anthropic and Responses reasoning tests);
+    ``HARNESSRL_TEST_VLLM_REASONING_URL`` points at one already running instead."""
+    return shared_server("reasoning_server", REASONING_SERVER_ARGS, "HARNESSRL_TEST_VLLM_REASONING_URL",
+                         tiny_model_dir, tmp_path_factory)
 
 
 @contextmanager
