@@ -91,7 +91,8 @@ def test_stored_tokens_are_the_tool_calls_the_agent_executed(flights_run, tokeni
             text = _answer_text(tokenizer, call)
             received = [tc["function"] for tc in message.get("tool_calls") or []]
             if not received:
-                assert text == message["content"].rstrip("\ufffd")
+                # the stop token's text may be in the content: the render/generate/derender path keeps it
+                assert message["content"].rstrip("\ufffd") in (text, _answer_text(tokenizer, call, keep_stop=True))
                 continue
             # hermes' format: text, then each call as <tool_call>{"name": ..., "arguments": {...}}</tool_call>
             # (after a free reply emits <tool_call>, the server's grammar makes the rest a valid call too)
@@ -107,13 +108,13 @@ def test_stored_tokens_are_the_tool_calls_the_agent_executed(flights_run, tokeni
     assert forced["find"] == len(_succeeded(flights_run)) and forced["book"] >= 1
 
 
-def _answer_text(tokenizer, call) -> str:
+def _answer_text(tokenizer, call, keep_stop: bool = False) -> str:
     """The completion's text as the server answered it: special tokens kept (a tool parser turns vLLM's
     skip_special_tokens off), the stop token it ended on left out, and so are the bytes of a character left
     incomplete at the end (vLLM's detokenizer holds them back until the character is whole; compared without
     trailing replacement characters on both sides)."""
     ids = list(call.completion_token_ids)
-    if ids and ids[-1] in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}:
+    if not keep_stop and ids and ids[-1] in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}:
         ids.pop()
     return tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
 
