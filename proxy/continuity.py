@@ -437,8 +437,11 @@ class TokenContinuity:
         room = max_model_len - len(prompt)
         if room < 1:
             raise _Fallback("prompt_too_long")
-        if body.get("max_tokens", body.get("max_completion_tokens")) is None or not params.get("max_tokens"):
-            params["max_tokens"] = room  # the server sized it for its own (shorter or longer) rendering
+        requested = body.get("max_tokens", body.get("max_completion_tokens"))
+        # The request's own limit, as given: the rendered parameters leave out a value equal to the server's
+        # default (16), which then must not become "the rest of the context". Without one, the server sized
+        # it for its own (shorter or longer) rendering: the room the continued prompt leaves.
+        params["max_tokens"] = room if requested is None else requested
         request.update(token_ids=prompt, sampling_params=params, stream=False, token_offsets=None)
         top = body.get("top_logprobs") if body.get("logprobs") is True else 0
         top = top if isinstance(top, int) and top > 0 else 0

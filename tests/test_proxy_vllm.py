@@ -147,10 +147,7 @@ def test_unrequested_logprobs_are_captured_but_not_returned(captured, tokenizer)
     resp = client(proxy, "quiet").chat.completions.create(model="m", messages=MESSAGES, max_tokens=16)
     assert resp.choices[0].logprobs is None
     call = stored_call(proxy, store, "quiet")
-    assert (
-        tokenizer.decode(call.completion_token_ids, skip_special_tokens=True)
-        == resp.choices[0].message.content
-    )
+    assert decodes_to(tokenizer, call.completion_token_ids, resp.choices[0].message.content, stream=False)
     assert len(call.logprobs) == len(call.completion_token_ids) > 0
     assert all(lp <= 0 for lp in call.logprobs)
 
