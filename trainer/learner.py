@@ -402,21 +402,26 @@ class Learner:
                                            attempt.reward, oldest))
         adv = compute_advantages(outcomes, s.advantage, current_version=self.version)
         kept: list[Row] = []
+        masks: list[np.ndarray] = []
         values: list[float] = []
+        forced = 0
         for key, rows in rows_by_key.items():
             if key in adv.advantages:
                 for row in rows:
-                    if row.num_generated:
+                    mask = decision_mask(row.loss_mask, row.rollout_logprobs)
+                    forced += row.num_generated - int(mask.sum())
+                    if mask.any():
                         kept.append(row)
+                        masks.append(mask)
                         values.append(adv.advantages[key])
         parts: list[list[TrainRow]] = []
         for members in split_mini_batches([(row.rollout_id, row.attempt) for row in kept], s.mini_batches):
-            weights = self._weights([kept[i] for i in members])
+            weights = self._weights([masks[i] for i in members], [kept[i] for i in members])
             parts.append([
                 TrainRow(
                     index=i, key=(kept[i].rollout_id, kept[i].attempt), input_ids=kept[i].input_ids,
-                    loss_mask=kept[i].loss_mask, rollout_logprobs=kept[i].rollout_logprobs,
-                    advantages=kept[i].loss_mask.astype(np.float32) * np.float32(values[i]), weights=w,
+                    loss_mask=masks[i], rollout_logprobs=kept[i].rollout_logprobs,
+                    advantages=masks[i].astype(np.float32) * np.float32(values[i]), weights=w,
                     on_policy=self._on_policy(kept[i]),
                 )
                 for i, w in zip(members, weights)
@@ -430,6 +435,7 @@ class Learner:
             "trained_rows": len(train_rows),
             "updates": len(parts),
             "rows_per_rollout": len(train_rows) / trained_rollouts if trained_rollouts else math.nan,
+            "forced_tokens": forced,
             **row_stats.as_metrics(),
             **merge_quality(row_stats.row_tokens, final_tokens),
             **adv.stats.as_metrics(),
@@ -444,9 +450,10 @@ class Learner:
                 fresh[start:end] = 1
         return fresh
 
-    def _weights(self, rows: Sequence[Row]) -> list[np.ndarray]:
+    def _weights(self, masks: Sequence[np.ndarray], rows: Sequence[Row]) -> list[np.ndarray]:
         """Each token's share of its update's loss, from ``losses.aggregation_weights`` over the mini-batch.
 
+        ``masks`` are the rows' trained tokens (:func:`decision_mask`: forced tokens do not count in any mean).
         Adapter: the losses module computes weights for one padded ``[rows, tokens]`` batch; computing them
         once for the mini-batch and carrying them with the rows makes micro-batch and rank sums exact.
         """
@@ -455,7 +462,7 @@ class Learner:
         length = max(r.num_tokens for r in rows)
         mask = torch.zeros((len(rows), length), dtype=torch.int8)
         for i, row in enumerate(rows):
-            mask[i, : row.num_tokens] = torch.tensor(row.loss_mask)
+            mask[i, : row.num_tokens] = torch.from_numpy(masks[i])
         index: dict[tuple[str, int], int] = {}
         rollout = torch.tensor([index.setdefault((r.rollout_id, r.attempt), len(index)) for r in rows])
         weights = aggregation_weights(mask, rollout, self.settings.loss.aggregation,
@@ -542,6 +549,22 @@ class Learner:
         return out.loss, sums
 
 
+def decision_mask(loss_mask: np.ndarray, rollout_logprobs: np.ndarray) -> np.ndarray:
+    """The generated tokens that were a decision of the policy that sampled them: ``loss_mask`` without the
+    tokens whose behaviour log-prob is exactly 0 (int8, like ``loss_mask``).
+
+    A log-prob of 0 means the sampling distribution put all its mass on that token: the structured-output
+    grammar allowed only it (vLLM's processed log-probs are taken after the grammar mask), or p rounded to 1.
+    Under that distribution the token has no policy gradient (d log 1 = 0), whereas the learner's full-vocabulary
+    log-prob of it does, and pushing that up or down trains a choice nobody made: on the flights example (forced
+    tool calls) 45% of the tool-call tokens were such, and training them drifted the policy. So they stay in the
+    row as context (the model reads them) but carry no loss, no importance weight, do not count in the loss
+    normalisation (a call with a long forced JSON skeleton does not dilute the rollout's real decisions) and are
+    left out of the log-prob agreement metrics; the step record counts them as ``forced_tokens``.
+    """
+    return (loss_mask.astype(bool) & (rollout_logprobs != 0)).astype(np.int8)
+
+
 def _with_old(row: TrainRow, generated: np.ndarray) -> TrainRow:
     """The row carrying its step-start log-probs, per position like its other arrays."""
     old = np.zeros(row.num_tokens, dtype=np.float32)
@@ -615,7 +638,8 @@ def _skipped_reason(info: dict[str, Any]) -> str:
     if excluded:
         parts.append("rollouts excluded: " + ", ".join(f"{int(v)} {k}" for k, v in sorted(excluded.items())))
     if info.get("rows", 0) and not info.get("trained_rows"):
-        parts.append("no row had a generated token")
+        parts.append("no row had a generated token that was a decision"
+                     + (f" ({int(info['forced_tokens'])} forced)" if info.get("forced_tokens") else ""))
     return "; ".join(parts)
 
 
