@@ -236,4 +236,5 @@ def build_call_record(
         status=status,
         http_status=http_status,
         finish_reason=tokens.finish_reason,
+        allowed_token_ids=tokens.allowed,
     )

@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .protocol import Tokens
+from .protocol import Tokens, ask_allowed
 from .protocol import tokens_from_response as chat_tokens
 
 PATH = "/v1/chat/completions"
@@ -34,19 +34,21 @@ def for_upstream(
         out.update(sampling)
         out["return_token_ids"] = True
         out["logprobs"] = True
+        ask_allowed(out, chat)
     return out
 
 
 def carry(chat: Mapping[str, Any]) -> list[Any]:
     """The chat answer's tokens, in the form ``carried`` reads back (JSON-safe: the answer may be replayed)."""
     tokens = chat_tokens("chat", chat)
-    return [tokens.prompt_token_ids, tokens.completion_token_ids, tokens.logprobs, tokens.finish_reason]
+    return [tokens.prompt_token_ids, tokens.completion_token_ids, tokens.logprobs, tokens.finish_reason,
+            tokens.allowed]
 
 
 def carried(body: Mapping[str, Any]) -> Tokens | None:
     """The tokens a translated answer carries, or None for an answer that carries none."""
     value = body.get(CAPTURE_KEY)
-    return Tokens(*value) if isinstance(value, list) and len(value) == 4 else None
+    return Tokens(*value) if isinstance(value, list) and len(value) in (4, 5) else None
 
 
 def without_carried(obj: dict[str, Any]) -> dict[str, Any]:

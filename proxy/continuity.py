@@ -72,7 +72,7 @@ from harnessrl.store.records import CallStatus
 
 from .capture import Attribution, LastCall
 from .metrics import ProxyMetrics
-from .protocol import SSE_DONE, dumps, loads, sse_bytes
+from .protocol import SSE_DONE, TOKEN_ID_PREFIX, ask_allowed, dumps, loads, sse_bytes
 from .upstreams import UpstreamPool, UpstreamUnavailable
 
 # Chat request fields that mean the same on /v1/completions (vLLM sampling parameters included).
@@ -389,6 +389,7 @@ class TokenContinuity:
         else:  # the server renders the request itself: tools, sampling parameters, the tool-call grammar
             chat = {**body, **sampling, "logprobs": True, "return_token_ids": True, "stream": False}
             chat.pop("stream_options", None)
+            ask_allowed(chat, body)  # a forced tool call: its grammar's allowed sets (rendered as logprobs: K)
             if model is not None:
                 chat["model"] = model
             final = self._render_request(chat, key)
@@ -468,6 +469,8 @@ class TokenContinuity:
             source = generated.get(choice.get("index", 0), {})
             if choice.get("token_ids") is None:
                 choice["token_ids"] = source.get("token_ids")
+            if chat.get("return_tokens_as_token_ids") and isinstance(source.get("logprobs"), dict):
+                choice["logprobs"] = _token_id_logprobs(source["logprobs"])
         out["prompt_token_ids"] = prompt
         return out
 
@@ -548,6 +551,22 @@ class TokenContinuity:
             raise _Fallback("tokenize_failed")
         return tokens, limit
 
+
+
+def _token_id_logprobs(generated: dict[str, Any]) -> dict[str, Any]:
+    """The generate endpoint's log-probs (integer token ids) as chat log-probs with ``token_id:N`` tokens, as the
+    chat route writes them under ``return_tokens_as_token_ids``; derender writes decoded text, which names no
+    token id, so the allowed sets of a continued constrained call are read from these (``allowed_sets``)."""
+
+    def entry(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": f"{TOKEN_ID_PREFIX}{e.get('token_id')}", "logprob": e.get("logprob"), "bytes": None}
+
+    content = [
+        {**entry(e), "top_logprobs": [entry(t) for t in e.get("top_logprobs") or [] if isinstance(t, dict)]}
+        for e in generated.get("content") or []
+        if isinstance(e, dict)
+    ]
+    return {"content": content}
 
 
 def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | None:

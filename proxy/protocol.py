@@ -12,6 +12,15 @@ vLLM field names (ENVIRONMENT.md, vLLM 0.32):
   completions ``logprobs: k`` -> ``choices[].logprobs.token_logprobs`` (with ``echo`` the prompt's entries
   come first, so the completion's are the last ``len(token_ids)``).
 
+Grammar-constrained chat calls (a forced ``tool_choice``, a JSON ``response_format``, vLLM's
+``structured_outputs``) whose harness did not ask for log-probs itself are sent with ``top_logprobs``
+``CONSTRAINED_TOP_LOGPROBS`` and ``return_tokens_as_token_ids``: with ``--logprobs-mode processed_logprobs`` the
+top entries are those of the grammar-masked distribution, the tokens it forbids come back at ``-9999.0`` (-inf,
+clamped), so a position with such an entry shows its whole allowed set, which is stored with the call
+(``Tokens.allowed``) for the learner to score the token over it. Checked on vLLM 0.32
+(``tests/test_proxy_constrained_vllm.py``). A harness that asks for log-probs gets its own request unchanged,
+and its constrained calls no sets (its token strings would change).
+
 What the harness gets back: exactly what it asked for. Token-id arrays it did not request are removed (they
 are vLLM extensions); ``logprobs`` it did not request is ``null``, as OpenAI returns it. What is stored as the
 call's response: the upstream's full answer (a streamed one assembled into the non-streamed shape, token ids
@@ -135,6 +144,61 @@ def validate_request(route: Route, body: Any) -> dict[str, Any]:
     return body
 
 
+# Top log-probs asked for on a constrained call: vLLM's default --max-logprobs (a server started with a lower
+# one refuses more); a position with fewer legal tokens than this shows all of them.
+CONSTRAINED_TOP_LOGPROBS = 20
+TOKEN_ID_PREFIX = "token_id:"  # a token as ``return_tokens_as_token_ids`` writes it
+FORBIDDEN_LOGPROB = -9999.0  # vLLM's floor for a log-prob: -inf, a token the sampler could not draw
+_STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def constrained(body: Mapping[str, Any]) -> bool:
+    """Whether vLLM decodes this chat request under a structured-output grammar: a ``tool_choice`` that forces
+    a call (``required`` or a named function) with tools, a ``json_schema``/``json_object``/``structural_tag``
+    ``response_format``, or vLLM's own ``structured_outputs`` (``guided_*`` in older servers)."""
+    choice = body.get("tool_choice")
+    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        return True
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object", "structural_tag"):
+        return True
+    return any(body.get(name) is not None for name in _STRUCTURED_FIELDS)
+
+
+def ask_allowed(out: dict[str, Any], body: Mapping[str, Any]) -> bool:
+    """Add to the upstream chat request ``out`` what shows a constrained call's allowed sets (see the module
+    docstring); whether it did. Only for a harness that did not ask for log-probs: it gets none back
+    (``strip_unrequested``), so nothing it sees changes."""
+    if body.get("logprobs") is True or not constrained(body):
+        return False
+    out["top_logprobs"] = CONSTRAINED_TOP_LOGPROBS
+    out["return_tokens_as_token_ids"] = True
+    return True
+
+
+def allowed_sets(entries: Any) -> list[list[int]] | None:
+    """Per chat log-prob entry, the token ids the sampler could draw there: the finite top entries where some
+    entry is forbidden (so every legal token is listed), else [] (not all shown). None when the entries carry
+    no top log-probs written as token ids (nothing was asked for)."""
+    if not isinstance(entries, list):
+        return None
+    out: list[list[int]] = []
+    seen = False
+    for entry in entries:
+        tops = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        ids: list[int] = []
+        if isinstance(tops, list) and tops:
+            try:
+                legal = [t for t in tops if t["logprob"] > FORBIDDEN_LOGPROB]
+                if len(legal) < len(tops) and all(t["token"].startswith(TOKEN_ID_PREFIX) for t in legal):
+                    ids = sorted({int(t["token"][len(TOKEN_ID_PREFIX):]) for t in legal})
+                    seen = True
+            except (TypeError, KeyError, ValueError, AttributeError):
+                ids = []
+        out.append(ids)
+    return out if seen else None
+
+
 def client_wants(route: Route, body: Mapping[str, Any]) -> ClientWants:
     logprobs = body.get("logprobs")
     wants_logprobs = bool(logprobs) if route == "chat" else logprobs is not None
@@ -154,6 +218,7 @@ def upstream_request(
     out["return_token_ids"] = True
     if route == "chat":
         out["logprobs"] = True
+        ask_allowed(out, body)
     else:
         asked = body.get("logprobs")
         out["logprobs"] = (
@@ -199,6 +264,8 @@ class Tokens:
     completion_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    # per completion token, the ids a structured-output grammar allowed there ([]: not shown); None: no sets
+    allowed: list[list[int]] | None = None
 
 
 def _int_list(value: Any) -> list[int]:
@@ -253,12 +320,22 @@ def tokens_from_response(route: Route, body: Mapping[str, Any]) -> Tokens:
     prompt = body.get("prompt_token_ids") if route == "chat" else choice.get("prompt_token_ids")
     completion = _int_list(choice.get("token_ids"))
     finish = choice.get("finish_reason")
+    lp = choice.get("logprobs")
     return Tokens(
         prompt_token_ids=_int_list(prompt),
         completion_token_ids=completion,
         logprobs=_choice_logprobs(route, choice, len(completion)),
         finish_reason=finish if isinstance(finish, str) else None,
+        allowed=_choice_allowed(route, lp.get("content") if isinstance(lp, dict) else None, len(completion)),
     )
+
+
+def _choice_allowed(route: Route, entries: Any, n_tokens: int) -> list[list[int]] | None:
+    """A chat choice's allowed sets (``allowed_sets``), when they line up with its completion tokens."""
+    if route != "chat" or entries is None:
+        return None
+    sets = allowed_sets(entries)
+    return sets if sets is not None and len(sets) == n_tokens else None
 
 
 def usage_tokens(body: Mapping[str, Any]) -> tuple[int, int]:
@@ -477,7 +554,8 @@ class StreamAssembler:
         if state is None:
             return Tokens(prompt_token_ids=list(self.prompt_token_ids))
         prompt = self.prompt_token_ids if self.route == "chat" else state.prompt_token_ids
-        return Tokens(list(prompt), list(state.token_ids), list(state.token_logprobs), state.finish_reason)
+        allowed = _choice_allowed(self.route, state.logprob_entries, len(state.token_ids))
+        return Tokens(list(prompt), list(state.token_ids), list(state.token_logprobs), state.finish_reason, allowed)
 
     def response(self) -> dict[str, Any]:
         """The assembled answer shaped like vLLM's non-streamed one (token ids and log-probs included)."""

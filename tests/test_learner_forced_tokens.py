@@ -70,3 +70,40 @@ def test_forced_tokens_carry_no_loss_and_do_not_count_in_the_normalisation(tmp_p
         assert forced_row.weights[generated][0] == pytest.approx(1 / (2 * 3))
     else:  # one weight per decision of the batch: 3 + 4
         assert forced_row.weights[generated][0] == pytest.approx(1 / 7)
+
+
+def test_stored_allowed_sets_reach_the_train_rows_on_their_completion_positions(tmp_path: Path):
+    """A constrained call's sets (CallRecord.allowed_token_ids) land on the row positions of its tokens; forced
+    ones (a one-token set, log-prob 0) are not trained, the others are scored over their set."""
+    from harnessrl.store import CallRecord, RolloutState
+
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'store.db'}")
+    store.upgrade()
+    store.add_tasks("sets", [{"id": "t"}])
+    completion = [5, 6, 7, 8]
+    allowed = [[5, 9], [6], [], [8, 3, 2]]
+    for i, reward in enumerate((1.0, 0.0)):
+        rollout = store.create_rollout("sets", "t", i, rollout_id=f"r{i}")
+        store.transition(rollout, 0, RolloutState.RUNNING, policy_version=0)
+        store.add_calls([CallRecord(
+            call_id=f"{rollout}-c0", run="sets", rollout_id=rollout, attempt=0, seq=0, route="chat",
+            request={"messages": [{"role": "user", "content": "x"}]}, response=None,
+            prompt_token_ids=PROMPT, completion_token_ids=completion, logprobs=[-0.5, 0.0, -3.0, -1.0],
+            policy_version=0, allowed_token_ids=allowed if i == 0 else None,
+        )])  # fmt: skip
+        store.set_reward(rollout, 0, reward)
+        store.finish_attempt(rollout, 0, RolloutState.SUCCEEDED)
+    assert store.read_calls("r0", 0)[0].allowed_token_ids == allowed
+    assert store.read_calls("r1", 0)[0].allowed_token_ids is None
+    assert store.allowed_token_ids("r0", 0) == {"r0-c0": allowed} and store.allowed_token_ids("r1", 0) == {}
+
+    settings = LearnerSettings(run="sets", model_dir=tmp_path, output_dir=tmp_path / "out", steps=1,
+                               tasks_per_step=1, group_size=2, wait_timeout_s=0)
+    learner = Learner(settings, SimpleNamespace(dist=DistInfo(0, 1, 0, torch.device("cpu"))), store)  # type: ignore[arg-type]
+    (part,), info = learner._build_batch(learner.ledger.claim(1, 2))
+    rows = {row.key[0]: row for row in part}
+    start = len(PROMPT)
+    assert {p: v.tolist() for p, v in rows["r0"].allowed.items()} == {start: [5, 9], start + 1: [6],
+                                                                       start + 3: [8, 3, 2]}
+    assert rows["r1"].allowed is None
+    assert info["forced_tokens"] == 2 and info["constrained_tokens"] == 2  # the forced one is no decision

@@ -164,6 +164,10 @@ class TrainRow:
     # The learner's log-probs before the step's first update (decoupled PPO's proximal policy), for rows trained
     # in a later update of the step; None: the update's own forward pass is the step's first (ratio 1).
     old_logprobs: np.ndarray | None = None  # float32 [n]
+    # position -> the token ids the sampler could draw there (a structured-output grammar's allowed set, as the
+    # serving engine reported it): the token's log-prob is then taken over these ids only, the distribution it
+    # was drawn from. Positions not in it (or None) are scored over the whole vocabulary.
+    allowed: dict[int, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -189,6 +193,9 @@ class MicroBatch:
     row_tokens: int  # unpadded tokens in the batch (throughput counts these)
     padding: bool = False  # an empty micro-batch that only keeps ranks in step
     old_logprobs: torch.Tensor | None = None  # [K] float32, from TrainRow.old_logprobs
+    # [K, M] long: each target's allowed token ids (TrainRow.allowed), padded with -1; a row of -1: the whole
+    # vocabulary. None when no target of the batch has a set.
+    allowed: torch.Tensor | None = None
 
     @property
     def num_targets(self) -> int:
@@ -211,6 +218,7 @@ def collate(rows: Sequence[TrainRow], pad_id: int = 0) -> MicroBatch:
         raise ValueError("rows: some have old_logprobs and some not; a micro-batch belongs to one update, whose "
                          "rows are either all scored before the step or all not")
     pos, tgt, old, adv, wts, owner, fresh, before = [], [], [], [], [], [], [], []
+    sets: list[np.ndarray | None] = []
     for b, row in enumerate(rows):
         n = row.num_tokens
         ids[b, :n] = row.input_ids
@@ -226,6 +234,8 @@ def collate(rows: Sequence[TrainRow], pad_id: int = 0) -> MicroBatch:
                      else row.on_policy[generated].astype(np.float32))
         if row.old_logprobs is not None:
             before.append(row.old_logprobs[generated])
+        allowed = row.allowed or {}
+        sets.extend(_allowed_set(allowed.get(int(p)), int(row.input_ids[p])) for p in generated)
     cat = np.concatenate
     return MicroBatch(
         input_ids=torch.from_numpy(ids),
@@ -239,7 +249,28 @@ def collate(rows: Sequence[TrainRow], pad_id: int = 0) -> MicroBatch:
         on_policy=torch.from_numpy(cat(fresh)),
         row_tokens=int(sum(r.num_tokens for r in rows)),
         old_logprobs=torch.from_numpy(cat(before).astype(np.float32)) if before else None,
+        allowed=_pad_sets(sets),
     )
+
+
+def _allowed_set(ids: np.ndarray | None, target: int) -> np.ndarray | None:
+    """The set a target is scored over, or None (whole vocabulary). A set that lacks the sampled token cannot
+    be the one it was drawn from (a store written by another proxy, say): the whole vocabulary then."""
+    if ids is None or len(ids) == 0 or target not in ids:
+        return None
+    return ids
+
+
+def _pad_sets(sets: Sequence[np.ndarray | None]) -> torch.Tensor | None:
+    """``[K, M]`` long of the targets' allowed ids padded with -1, or None when no target has a set."""
+    width = max((len(ids) for ids in sets if ids is not None), default=0)
+    if width == 0:
+        return None
+    out = np.full((len(sets), width), -1, dtype=np.int64)
+    for k, ids in enumerate(sets):
+        if ids is not None:
+            out[k, : len(ids)] = ids
+    return torch.from_numpy(out)
 
 
 def padding_micro_batch(pad_id: int = 0) -> MicroBatch:
@@ -408,12 +439,13 @@ class PolicyEngine:
         for start in range(0, selected.shape[0], LOGPROB_CHUNK_TOKENS):
             chunk = selected[start:start + LOGPROB_CHUNK_TOKENS]
             targets = mb.targets[start:start + LOGPROB_CHUNK_TOKENS]
+            allowed = None if mb.allowed is None else mb.allowed[start:start + LOGPROB_CHUNK_TOKENS]
             temperature, top_p = self.settings.temperature, self.settings.top_p
             if torch.is_grad_enabled() and chunk.requires_grad:
                 logp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, head, chunk, targets, temperature,
-                                                              top_p, use_reentrant=False)
+                                                              top_p, allowed, use_reentrant=False)
             else:
-                logp, ent = _chunk_logprobs(head, chunk, targets, temperature, top_p)
+                logp, ent = _chunk_logprobs(head, chunk, targets, temperature, top_p, allowed)
             logps.append(logp)
             entropies.append(ent)
         return torch.cat(logps), torch.cat(entropies).detach()
@@ -567,14 +599,30 @@ def _launcher_env(dist: DistInfo) -> Iterator[None]:
 
 
 def _chunk_logprobs(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor,
-                    temperature: float = 1.0, top_p: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                    temperature: float = 1.0, top_p: float = 1.0,
+                    allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and the entropy under the sampling policy: softmax(logits / temperature),
-    restricted to the top-p nucleus and renormalised when ``top_p`` < 1."""
+    restricted to the top-p nucleus and renormalised when ``top_p`` < 1.
+
+    Where ``allowed`` (``[K, M]``, -1 padded) gives a target's set, the policy there is softmax over that set
+    only: ``log pi(a) - logsumexp`` over the allowed ids, what vLLM samples from under a structured-output grammar
+    (its mask comes before temperature and top-p, and the set the proxy records is what was left after both, so
+    no nucleus is cut again there)."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
+    restricted = None
+    if allowed is not None:
+        restricted = allowed[:, 0] >= 0
+        with torch.no_grad():
+            keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, allowed.clamp_min(0), allowed >= 0)
+            outside = ~keep & restricted[:, None]
+        logits = logits.masked_fill(outside, float("-inf"))
     if top_p < 1.0:
-        logits = logits.masked_fill(_outside_nucleus(logits, targets, top_p), float("-inf"))
+        drop = _outside_nucleus(logits, targets, top_p)
+        if restricted is not None:
+            drop &= ~restricted[:, None]
+        logits = logits.masked_fill(drop, float("-inf"))
     logz = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
     with torch.no_grad():

@@ -25,6 +25,11 @@ old ones are consumed) and its step record says ``empty_step: 1`` with ``skipped
 the policy stays at (counted in ``harnessrl_learner_empty_steps_total``). It counts towards ``steps``, so a
 run whose groups never differ still ends. Steps and versions are therefore numbered apart.
 
+Tokens a structured-output grammar constrained: a token whose behaviour log-prob is 0 was forced and is no
+decision (:func:`decision_mask`); a token whose call stored the grammar's allowed set there (the proxy records it
+for constrained calls, ``TraceStore.allowed_token_ids``) is scored over that set only (:func:`row_allowed_sets`,
+``TrainRow.allowed``), the masked distribution vLLM sampled it from.
+
 A learner without replicas and proxies (offline training from a stored trace) has no rollout side: it
 commits versions and syncs none, and the store leaves them unsynced, since nothing serves them.
 
@@ -388,6 +393,7 @@ class Learner:
         final_tokens = 0
         rows_by_key: dict[tuple[str, int], list[Row]] = {}
         outcomes: list[RolloutOutcome] = []
+        allowed_by_row: dict[int, dict[int, np.ndarray]] = {}
         for attempt in claim.attempts:
             calls = store.rollout_calls(attempt.rollout_id, attempt.attempt)
             built = merge_calls_into_rows(calls, mode=s.row_mode, max_prompt_tokens=s.max_prompt_tokens,
@@ -395,6 +401,10 @@ class Learner:
             row_stats.add(built.stats)
             final_tokens += final_trajectory_tokens([row.input_ids for row in built.rows])
             rows_by_key[attempt.key] = built.rows
+            sets = store.allowed_token_ids(attempt.rollout_id, attempt.attempt)
+            if sets:
+                for row in built.rows:
+                    allowed_by_row[id(row)] = row_allowed_sets(row, sets)
             versions = [r.min_policy_version for r in built.rows]
             oldest = min(versions) if versions else (attempt.policy_version_start
                                                     if attempt.policy_version_start is not None else self.version)
@@ -422,7 +432,7 @@ class Learner:
                     index=i, key=(kept[i].rollout_id, kept[i].attempt), input_ids=kept[i].input_ids,
                     loss_mask=masks[i], rollout_logprobs=kept[i].rollout_logprobs,
                     advantages=masks[i].astype(np.float32) * np.float32(values[i]), weights=w,
-                    on_policy=self._on_policy(kept[i]),
+                    on_policy=self._on_policy(kept[i]), allowed=allowed_by_row.get(id(kept[i])) or None,
                 )
                 for i, w in zip(members, weights)
             ])
@@ -436,6 +446,9 @@ class Learner:
             "updates": len(parts),
             "rows_per_rollout": len(train_rows) / trained_rollouts if trained_rollouts else math.nan,
             "forced_tokens": forced,
+            "constrained_tokens": sum(
+                sum(1 for pos in (row.allowed or {}) if row.loss_mask[pos]) for row in train_rows
+            ),
             **row_stats.as_metrics(),
             **merge_quality(row_stats.row_tokens, final_tokens),
             **adv.stats.as_metrics(),
@@ -542,11 +555,44 @@ class Learner:
         on = mask * mb.on_policy
         x = mb.rollout_logprobs.double() * on
         y = old.double() * on
-        sums.update(
-            lp_n=on.double().sum(), lp_x=x.sum(), lp_y=y.sum(), lp_xx=(x * x).sum(), lp_yy=(y * y).sum(),
-            lp_xy=(x * y).sum(), lp_abs=(x - y).abs().sum(),
-        )
+        sums.update(_agreement_sums("lp", x, y, on))
+        # the same over the tokens scored over a grammar's allowed set only (the constrained decisions); always
+        # present, since every rank must sum the same stat names
+        constrained = on * (mb.allowed[:, 0] >= 0).to(on.dtype) if mb.allowed is not None else on * 0
+        sums.update(_agreement_sums("lpc", x * constrained, y * constrained, constrained))
         return out.loss, sums
+
+
+def _agreement_sums(prefix: str, x: torch.Tensor, y: torch.Tensor, on: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums for the Pearson correlation and mean absolute difference of ``x`` and ``y`` (already zero where
+    ``on`` is 0), summed over micro-batches and ranks before :func:`_agreement` reads them."""
+    return {f"{prefix}_n": on.double().sum(), f"{prefix}_x": x.sum(), f"{prefix}_y": y.sum(),
+            f"{prefix}_xx": (x * x).sum(), f"{prefix}_yy": (y * y).sum(), f"{prefix}_xy": (x * y).sum(),
+            f"{prefix}_abs": (x - y).abs().sum()}
+
+
+def _agreement(stats: dict[str, float], prefix: str) -> tuple[float, float, float] | None:
+    """(tokens, mean |x - y|, Pearson r) from :func:`_agreement_sums`' totals; None without tokens."""
+    n = stats.get(f"{prefix}_n", 0.0)
+    if not n:
+        return None
+    mx, my = stats[f"{prefix}_x"] / n, stats[f"{prefix}_y"] / n
+    vx = stats[f"{prefix}_xx"] / n - mx * mx
+    vy = stats[f"{prefix}_yy"] / n - my * my
+    cov = stats[f"{prefix}_xy"] / n - mx * my
+    return n, stats[f"{prefix}_abs"] / n, cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+
+
+def row_allowed_sets(row: Row, sets: dict[str, list[list[int]]]) -> dict[int, np.ndarray]:
+    """The row's positions whose token a grammar constrained, with the token ids it allowed there: each kept
+    call's stored sets (``TraceStore.allowed_token_ids``, one per completion token, [] where not known) placed
+    on its completion span (a span cut at ``max_row_tokens`` keeps its first tokens' sets)."""
+    out: dict[int, np.ndarray] = {}
+    for call_id, (start, end) in zip(row.call_ids, row.completion_spans, strict=True):
+        for offset, ids in enumerate(sets.get(call_id, ())[: end - start]):
+            if ids:
+                out[start + offset] = np.asarray(ids, dtype=np.int64)
+    return out
 
 
 def decision_mask(loss_mask: np.ndarray, rollout_logprobs: np.ndarray) -> np.ndarray:
@@ -608,15 +654,11 @@ def _step_metrics(step: int, version: int, info: dict[str, Any], result: Any, tr
         if name.startswith("m_"):
             key = name[2:]
             metrics[key] = value if key in _SUMMED_LOSS_METRICS else (value / tokens if tokens else math.nan)
-    n = stats.get("lp_n", 0.0)
-    if n:
-        mx, my = stats["lp_x"] / n, stats["lp_y"] / n
-        vx = stats["lp_xx"] / n - mx * mx
-        vy = stats["lp_yy"] / n - my * my
-        cov = stats["lp_xy"] / n - mx * my
-        metrics["logprob_tokens"] = n
-        metrics["logprob_abs_diff"] = stats["lp_abs"] / n
-        metrics["logprob_pearson"] = cov / math.sqrt(vx * vy) if vx > 0 and vy > 0 else math.nan
+    for prefix, suffix in (("lp", ""), ("lpc", "_constrained")):
+        agreement = _agreement(stats, prefix)
+        if agreement is not None:
+            (metrics[f"logprob_tokens{suffix}"], metrics[f"logprob_abs_diff{suffix}"],
+             metrics[f"logprob_pearson{suffix}"]) = agreement
     metrics.update(
         empty_step=0,
         grad_norm=result.grad_norm,

@@ -18,6 +18,9 @@ from harnessrl.store import codec, delta
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
 
 ID_MAX = 128
+# Most token ids kept for one position of a constrained call: a larger set is no mask worth keeping (the
+# whole vocabulary is then as good a guess, and storage stays bounded), and the proxy never sees one anyway.
+ALLOWED_MAX = 256
 
 
 class InvalidCall(ValueError):
@@ -67,6 +70,7 @@ class PreparedCall:
     completion_bytes: bytes
     logprob_bytes: bytes
     logprobs_f64: bool
+    allowed_bytes: bytes | None
     response: dict[str, Any] | None
     response_stripped: list[list[Any]] | None
     anchor: delta.Anchor
@@ -137,6 +141,7 @@ class PreparedCall:
             "response": self.response,
             "response_stripped": self.response_stripped,
             "sampling": r.sampling,
+            "allowed_ids": self.allowed_bytes,
             "context_len": a.context_len,
             "context_digest": a.context_digest,
             "input_len": a.input_len,
@@ -193,6 +198,7 @@ def prepare_call(record: CallRecord) -> PreparedCall:
     prompt_bytes = codec.pack_ids(record.prompt_token_ids, "prompt_token_ids")
     completion_bytes = codec.pack_ids(record.completion_token_ids, "completion_token_ids")
     logprob_bytes, f64 = codec.pack_logprobs(record.logprobs)
+    allowed_bytes = pack_allowed(record.allowed_token_ids, len(record.completion_token_ids))
     response, stripped = codec.strip_response(
         record.response, record.prompt_token_ids, record.completion_token_ids, record.logprobs
     )
@@ -207,11 +213,48 @@ def prepare_call(record: CallRecord) -> PreparedCall:
         completion_bytes,
         logprob_bytes,
         f64,
+        allowed_bytes,
         response,
         stripped,
         anchor,
         input_digests,
     )
+
+
+def pack_allowed(allowed: list[list[int]] | None, completion_tokens: int) -> bytes | None:
+    """``CallRecord.allowed_token_ids`` as stored: int32 little-endian ``[n_0, ids_0..., n_1, ids_1..., ...]``,
+    one ``n_i`` (0: not known) per completion token; None for None or a call with no known set (stored NULL).
+    ValueError naming the field for a list that does not line up with the completion or holds no token ids."""
+    if allowed is None:
+        return None
+    if not isinstance(allowed, list) or len(allowed) != completion_tokens:
+        raise ValueError(
+            f"allowed_token_ids must be None or one list per completion token ({completion_tokens}), got "
+            f"{len(allowed) if isinstance(allowed, list) else type(allowed).__name__}"
+        )
+    flat: list[int] = []
+    for i, ids in enumerate(allowed):
+        if not isinstance(ids, list) or len(ids) > ALLOWED_MAX:
+            raise ValueError(f"allowed_token_ids[{i}] must be a list of at most {ALLOWED_MAX} token ids")
+        flat.append(len(ids))
+        flat.extend(ids)
+    if len(flat) == completion_tokens:  # every set unknown: nothing worth a row
+        return None
+    return codec.pack_ids(flat, "allowed_token_ids")
+
+
+def unpack_allowed(blob: bytes | None) -> list[list[int]] | None:
+    """The inverse of :func:`pack_allowed`."""
+    if blob is None:
+        return None
+    flat = codec.unpack_ids(blob)
+    out: list[list[int]] = []
+    i = 0
+    while i < len(flat):
+        n = flat[i]
+        out.append(flat[i + 1 : i + 1 + n])
+        i += 1 + n
+    return out
 
 
 def anchor_from_row(row: Any) -> delta.Anchor:
@@ -295,4 +338,5 @@ class CallRebuilder:
             finish_reason=row.finish_reason,
             created_at=row.created_at,
             sampling=row._mapping.get("sampling"),  # absent in tables before revision 0003 (migration 0002)
+            allowed_token_ids=unpack_allowed(row._mapping.get("allowed_ids")),  # absent before revision 0005
         )

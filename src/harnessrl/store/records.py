@@ -69,6 +69,10 @@ class CallRecord:
     created_at: datetime = field(default_factory=utcnow)
     # the sampling parameters sent upstream, as sent (None: not recorded; the harness's request keeps its own)
     sampling: dict[str, Any] | None = None
+    # Per completion token, the token ids the sampler could draw there when a structured-output grammar
+    # constrained the call and the serving engine showed the whole allowed set ([] where it did not: the
+    # learner then scores that token over the whole vocabulary). None: not a constrained call, or not recorded.
+    allowed_token_ids: list[list[int]] | None = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -214,6 +214,10 @@ class LlmCall(Base):
     # The sampling parameters the proxy sent upstream (temperature, top_p and, in train mode, the neutral
     # top_k/min_p/penalties/logit_bias), what the log-probs were taken under; NULL when not recorded.
     sampling: Mapped[dict[str, Any] | None] = json_column(nullable=True)
+    # For calls a structured-output grammar constrained (a forced tool call, a JSON schema): per completion
+    # token, the token ids the grammar left (as the proxy saw them in vLLM's processed top log-probs), packed by
+    # ``call_rows.pack_allowed``; NULL for every other call.
+    allowed_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     context_len: Mapped[int] = mapped_column(Integer)
     context_digest: Mapped[bytes] = mapped_column(LargeBinary)

@@ -20,7 +20,13 @@ from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store import codec, migrate
 from harnessrl.store.call_copy import CopyConflict
-from harnessrl.store.call_rows import CallRebuilder, PreparedCall, check_id, stored_call_from_row
+from harnessrl.store.call_rows import (
+    CallRebuilder,
+    PreparedCall,
+    check_id,
+    stored_call_from_row,
+    unpack_allowed,
+)
 from harnessrl.store.call_writer import prepare_batch, write_calls
 from harnessrl.store.engine import WRITE_OPTION, StoreError, open_engine, safe_url
 from harnessrl.store.records import AttemptRecord, CallRecord, RolloutState, StoredCall, utcnow
@@ -566,6 +572,16 @@ class TraceStore:
         )
         with self._engine.connect() as conn:
             return [stored_call_from_row(row) for row in conn.execute(query)]
+
+    def allowed_token_ids(self, rollout_id: str, attempt: int) -> dict[str, list[list[int]]]:
+        """Per constrained call of an attempt (call_id), the token ids its grammar allowed at each completion
+        token (``CallRecord.allowed_token_ids``). Apart from :meth:`rollout_calls` so that only the calls that have
+        sets are read, and the delta read stays what it was on every store revision."""
+        query = select(LlmCall.call_id, LlmCall.allowed_ids).where(
+            LlmCall.rollout_id == rollout_id, LlmCall.attempt == attempt, LlmCall.allowed_ids.is_not(None)
+        )
+        with self._engine.connect() as conn:
+            return {row.call_id: unpack_allowed(row.allowed_ids) or [] for row in conn.execute(query)}
 
 
 def _require_json(value: Any, what: str) -> str:
