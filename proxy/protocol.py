@@ -153,12 +153,22 @@ _STRUCTURED_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guid
 
 
 def constrained(body: Mapping[str, Any]) -> bool:
-    """Whether vLLM decodes this chat request under a structured-output grammar: a ``tool_choice`` that forces
-    a call (``required`` or a named function) with tools, a ``json_schema``/``json_object``/``structural_tag``
-    ``response_format``, or vLLM's own ``structured_outputs`` (``guided_*`` in older servers)."""
+    """Whether vLLM may decode this chat request under a structured-output grammar: a ``tool_choice`` that
+    forces a call (``required`` or a named function) with tools, ``strict`` tools the model may call (vLLM then
+    constrains a call once the model starts one: measured on the tiny model with ``tool_choice`` auto, 28 of
+    480 positions of free text had forbidden tokens), a ``json_schema``/``json_object``/``structural_tag``
+    ``response_format``, or vLLM's own ``structured_outputs`` (``guided_*`` in older servers). Asking too often
+    costs only top log-probs: positions the grammar leaves free show no forbidden token and get no set."""
     choice = body.get("tool_choice")
-    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
-        return True
+    tools = body.get("tools")
+    if tools and choice != "none":
+        if choice == "required" or isinstance(choice, dict):
+            return True
+        if isinstance(tools, list) and any(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) and t["function"].get("strict") is True
+            for t in tools
+        ):
+            return True
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") in ("json_schema", "json_object", "structural_tag"):
         return True
