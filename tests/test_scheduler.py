@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from harnessrl.local.processes import ProcessBackend
-from harnessrl.scheduler import RolloutScheduler, SchedulerSettings, group_of
+from harnessrl.rollout_ids import group_of
+from harnessrl.scheduler import RolloutScheduler, SchedulerSettings
 from harnessrl.store import RolloutState, TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
 

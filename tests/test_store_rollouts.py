@@ -112,10 +112,6 @@ def test_list_and_count_attempts(store: TraceStore) -> None:
     assert len(store.list_attempts("run")) == 5
     assert store.list_attempts("other") == []
     assert all(a.consumed_by_step is None for a in store.list_attempts("run", unconsumed=True))
-    # what the scheduler asks every pass, without reading every attempt
-    assert store.latest_attempts(["r1", "r0", "r1", "nope"]) == {"r0": 0, "r1": 1}
-    assert store.latest_attempts([]) == {}
-    assert store.unconsumed_rollout_ids("run") == {"r0", "r1", "r2", "r3"}
 
 
 def test_policy_versions_synced_flag(store: TraceStore) -> None:

@@ -26,18 +26,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sqlalchemy import func, select
-
-from harnessrl.rollout_ids import evaluation_rollout_id, group_of, is_evaluation, training_rollout_id
+from harnessrl.rollout_ids import evaluation_rollout_id, is_evaluation, training_rollout_id
 from harnessrl.spec.models import TrainingRunSpec
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
 from harnessrl.store.evaluations import evaluated_versions
-from harnessrl.store.schema import TRAIN, Rollout
+from harnessrl.store.scheduler_reads import ActiveAttempt, active_attempts, group_counts, latest_ended
+from harnessrl.store.schema import EVALUATION
 from harnessrl.store.states import Move
 
 log = logging.getLogger(__name__)
 
-ACTIVE = (RolloutState.QUEUED, RolloutState.RUNNING)
 EVALUATION_TASK_PREFIX = "eval:"  # stored evaluation task ids: never the same row as a training task's
 
 
@@ -200,7 +198,7 @@ class RolloutScheduler:
         self._settle_exits(status)
         # The active attempts are read once; the steps below keep what they change in mind (each query is a
         # round trip, and a busy operator runs passes back to back), and re-read only after creating attempts.
-        active = self.store.list_attempts(self.settings.run, states=ACTIVE)
+        active = active_attempts(self.store, self.settings.run)
         ended = self._enforce_deadlines(active, status)
         active = [attempt for attempt in active if (attempt.rollout_id, attempt.attempt) not in ended]
         self._retry_failures(status)
@@ -210,7 +208,7 @@ class RolloutScheduler:
             self._create_groups(status, len(queued) + status.retried)
         self._create_evaluation(policy_version, status, finishing)
         if status.retried or status.groups_created or status.evaluation_rollouts_created:
-            queued = self.store.list_attempts(self.settings.run, states=(RolloutState.QUEUED,))
+            queued = active_attempts(self.store, self.settings.run, states=(RolloutState.QUEUED,))
         running = len(active) - sum(1 for attempt in active if attempt.state is RolloutState.QUEUED)
         self._launch_queued(policy_version, status, queued, running, evaluation_only=finishing)
         status.counts = self.store.count_attempts(self.settings.run)
@@ -218,12 +216,11 @@ class RolloutScheduler:
 
     def evaluation_pending(self) -> bool:
         """Whether an evaluation rollout is queued or running (what a finishing run waits for)."""
-        return any(is_evaluation(attempt.rollout_id)
-                   for attempt in self.store.list_attempts(self.settings.run, states=ACTIVE))
+        return any(is_evaluation(attempt.rollout_id) for attempt in active_attempts(self.store, self.settings.run))
 
     def stop_all(self, reason: str = "Cancelled: the run is stopping") -> int:
         """Stop every live harness and cancel every active attempt (used on shutdown and suspend)."""
-        active = self.store.list_attempts(self.settings.run, states=ACTIVE)
+        active = active_attempts(self.store, self.settings.run)
         for attempt in active:
             if attempt.state is RolloutState.RUNNING:
                 self.backend.stop(attempt.rollout_id, attempt.attempt, reason)
@@ -259,7 +256,7 @@ class RolloutScheduler:
         for exit_ in ended:
             self.backend.release(exit_.rollout_id, exit_.attempt)
 
-    def _enforce_deadlines(self, active: list[AttemptRecord], status: SchedulerStatus) -> set[tuple[str, int]]:
+    def _enforce_deadlines(self, active: list[ActiveAttempt], status: SchedulerStatus) -> set[tuple[str, int]]:
         """Time out the attempts past their deadline and fail the lost ones; returns the keys it ended."""
         ended: set[tuple[str, int]] = set()
         now = self.clock()
@@ -290,21 +287,16 @@ class RolloutScheduler:
     def _retry_failures(self, status: SchedulerStatus) -> None:
         if self.settings.max_attempts <= 1:
             return
-        failed = self.store.list_attempts(
-            self.settings.run, states=(RolloutState.FAILED, RolloutState.TIMED_OUT), unconsumed=True
-        )
-        if not failed:
-            return
-        latest = self.store.latest_attempts(attempt.rollout_id for attempt in failed)
-        for attempt in failed:
-            is_latest = latest.get(attempt.rollout_id) == attempt.attempt
-            if is_latest and attempt.attempt + 1 < self.settings.max_attempts:
-                self.store.new_attempt(attempt.rollout_id)
-                status.retried += 1
+        failed = latest_ended(self.store, self.settings.run, (RolloutState.FAILED, RolloutState.TIMED_OUT),
+                              retries_below=self.settings.max_attempts - 1)
+        for rollout_id, _ in failed:
+            self.store.new_attempt(rollout_id)
+            status.retried += 1
 
     def _create_groups(self, status: SchedulerStatus, queued: int) -> None:
-        groups = self._groups_created()
-        outstanding = self._outstanding_groups()
+        counts = group_counts(self.store, self.settings.run)
+        groups = -(-counts.training_rollouts // self.settings.group_size)
+        outstanding = counts.outstanding_groups  # failed members count: a group is done once consumed
         # Keep enough queued to fill every free slot, but never more groups than the staleness bound allows.
         while queued < self.settings.concurrency and outstanding < self.settings.max_outstanding_groups:
             task_id = self._task_for_group(groups)
@@ -324,15 +316,9 @@ class RolloutScheduler:
         a training group, which trains with what it has, a round scores a version only once all of it ran."""
         if self.settings.evaluation is None:
             return
-        cancelled = [attempt for attempt in self.store.list_attempts(self.settings.run, states=(RolloutState.CANCELLED,))
-                     if is_evaluation(attempt.rollout_id)]
-        if not cancelled:
-            return
-        latest = self.store.latest_attempts(attempt.rollout_id for attempt in cancelled)
-        for attempt in cancelled:
-            if latest.get(attempt.rollout_id) == attempt.attempt:
-                self.store.new_attempt(attempt.rollout_id)
-                status.retried += 1
+        for rollout_id, _ in latest_ended(self.store, self.settings.run, (RolloutState.CANCELLED,), kind=EVALUATION):
+            self.store.new_attempt(rollout_id)
+            status.retried += 1
 
     def _create_evaluation(self, policy_version: int, status: SchedulerStatus, finishing: bool) -> None:
         schedule = self.settings.evaluation
@@ -353,7 +339,7 @@ class RolloutScheduler:
         self,
         policy_version: int,
         status: SchedulerStatus,
-        queued: list[AttemptRecord],
+        queued: list[ActiveAttempt],
         running: int,
         evaluation_only: bool = False,
     ) -> None:
@@ -399,23 +385,6 @@ class RolloutScheduler:
             status.launched += 1
 
     # --- derived bookkeeping ---------------------------------------------------------------------------------
-
-    def _groups_created(self) -> int:
-        with self.store.engine.connect() as conn:
-            rollouts = conn.scalar(
-                select(func.count()).select_from(Rollout).where(
-                    Rollout.run == self.settings.run, Rollout.task_id.is_not(None), Rollout.kind == TRAIN
-                )
-            )
-        return -(-int(rollouts or 0) // self.settings.group_size)
-
-    def _outstanding_groups(self) -> int:
-        """Groups with a rollout no learner step consumed yet.
-
-        Failed members count too: the learner claims a group once every member has ended, whatever the
-        outcome, so a group is only done when consumed — otherwise failures would let groups pile up.
-        """
-        return len({group_of(rollout_id) for rollout_id in self.store.unconsumed_rollout_ids(self.settings.run)})
 
     def _task_for_group(self, group: int) -> str:
         """Epochs over the task list, each in its own seeded order, so a restart picks the same tasks."""

@@ -443,32 +443,6 @@ class TraceStore:
         with self._engine.connect() as conn:
             return [_attempt_record(row) for row in conn.execute(query)]
 
-    def latest_attempts(self, rollout_ids: Iterable[str]) -> dict[str, int]:
-        """The newest attempt number of each rollout in ``rollout_ids``: what a retry decision needs, without
-        reading every attempt of the run."""
-        ids = sorted(set(rollout_ids))
-        latest: dict[str, int] = {}
-        with self._engine.connect() as conn:
-            for start in range(0, len(ids), 500):  # bounded IN lists
-                query = (
-                    select(RolloutAttempt.rollout_id, func.max(RolloutAttempt.attempt))
-                    .where(RolloutAttempt.rollout_id.in_(ids[start : start + 500]))
-                    .group_by(RolloutAttempt.rollout_id)
-                )
-                latest.update({rollout_id: int(attempt) for rollout_id, attempt in conn.execute(query)})
-        return latest
-
-    def unconsumed_rollout_ids(self, run: str) -> set[str]:
-        """Training rollouts with an attempt no learner step consumed yet (the scheduler asks every pass;
-        evaluation rollouts are never consumed, so they are left out)."""
-        query = (
-            select(RolloutAttempt.rollout_id)
-            .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
-            .where(RolloutAttempt.run == run, RolloutAttempt.consumed_by_step.is_(None), Rollout.kind == TRAIN)
-        )
-        with self._engine.connect() as conn:
-            return set(conn.scalars(query))
-
     def count_attempts(self, run: str) -> dict[RolloutState, int]:
         """Attempts per state (every state present, zero included), for status and metrics."""
         query = (
