@@ -177,7 +177,7 @@ def run_daemon(
             if final:
                 writer.write_now(status)
             elif not same_status(current.get("status"), status):
-                writer.write(status)
+                writer.write(status, urgent=(status["phase"], status["reason"]) != last)
             METRICS.reconcile_seconds.labels(*key).observe(time.perf_counter() - started)
             if (status["phase"], status["reason"]) != last:
                 _post_phase_event(current, status)

@@ -68,3 +68,34 @@ def test_a_failed_patch_is_counted_and_the_writer_goes_on() -> None:
     writer.write({"n": 2})
     assert writer.flush(60)
     assert calls == [{"n": 1}, {"n": 2}] and errors == [1]
+
+
+def test_routine_statuses_wait_for_the_interval_and_urgent_ones_do_not() -> None:
+    written: list[dict[str, Any]] = []
+    writer = StatusWriter(written.append, min_interval_s=600)
+    writer.write({"n": 1})
+    assert writer.flush(60)
+    writer.write({"n": 2})  # counts moved: waits for the interval (ten minutes here)
+    writer.write({"n": 3})
+    assert not writer.flush(0.5) and written == [{"n": 1}]
+    writer.write({"n": 4, "phase": "Suspended"}, urgent=True)  # a phase change goes out at once, newest only
+    assert writer.flush(60)
+    assert written == [{"n": 1}, {"n": 4, "phase": "Suspended"}]
+    writer.write({"n": 5})
+    writer.write_now({"phase": "Succeeded"})  # the final status neither waits nor lets the pending one land
+    assert writer.flush(60)
+    assert written == [{"n": 1}, {"n": 4, "phase": "Suspended"}, {"phase": "Succeeded"}]
+
+
+def test_a_routine_status_lands_once_the_interval_passed() -> None:
+    written: list[dict[str, Any]] = []
+    now = [0.0]  # the writer's clock: the interval passes only when the test says so
+    writer = StatusWriter(written.append, min_interval_s=0.05, clock=lambda: now[0])
+    writer.write({"n": 1})
+    assert writer.flush(60)
+    for n in range(2, 6):
+        writer.write({"n": n})
+    assert not writer.flush(0.3) and written == [{"n": 1}]  # its timer fired and found the interval not over
+    now[0] = 1.0
+    assert writer.flush(60)
+    assert written == [{"n": 1}, {"n": 5}]
