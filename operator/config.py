@@ -21,6 +21,11 @@ class OperatorConfig:
     """The DeepSpeed learner (CUDA, PyTorch, DeepSpeed, transformers)."""
     pod_creates_per_second: float = 20.0
     """Harness pods created per second per run at most, so a burst of free slots never floods the API."""
+    min_pass_interval_seconds: float = 0.25
+    """The shortest time from one reconcile pass of a run to the next: the pod events of that time are settled
+    and their slots refilled by one pass. A pass has a fixed cost (a dozen store queries); at concurrency 200
+    the operator ran 740 passes for 2,000 rollouts (2.7 rollouts a pass) when every ended pod woke one at once
+    (bench/operator_scale.py). 0: a pass at every pod event."""
     store_url: str = ""
     """The trace store of runs that name none (their spec keeps the SQLite default, which only `harnessrl run`
     can use): the chart points it at its PostgreSQL. Empty: such runs fail with InvalidSpec naming

@@ -185,8 +185,7 @@ def run_daemon(
             if final:
                 _clean_up_after_ttl(controller, status, stopped)
                 return
-            controller.wake.wait(RECONCILE_INTERVAL_S)
-            controller.wake.clear()
+            wait_for_next_pass(controller.wake, stopped, started, _state["config"].min_pass_interval_seconds)
     finally:
         with _lock:
             _controllers.pop(key, None)
@@ -195,6 +194,17 @@ def run_daemon(
             # Stopped because the run is being deleted: cancel its active attempts in the store (the traces
             # stay) before the finalizer lets the object go.
             controller.stop("Cancelled: the TrainingRun was deleted")
+
+
+def wait_for_next_pass(wake: threading.Event, stopped: Any, started: float, min_interval_s: float) -> None:
+    """Until a pod of the run ends (``wake``) or ``RECONCILE_INTERVAL_S`` passed, but never less than
+    ``min_interval_s`` after the last pass ``started`` (a ``time.perf_counter()``): the pod events of that time
+    are then settled by one pass instead of one pass each. ``stopped`` (an event-like ``wait``) cuts it short."""
+    wake.wait(RECONCILE_INTERVAL_S)
+    spacing = min_interval_s - (time.perf_counter() - started)
+    if spacing > 0:
+        stopped.wait(spacing)
+    wake.clear()
 
 
 def _clean_up_after_ttl(

@@ -156,6 +156,7 @@ def test_every_values_field_is_documented() -> None:
     [
         ("operator.podCreatesPerSecond=fast", "/operator/podCreatesPerSecond"),
         ("operator.metricsPort=http", "/operator/metricsPort"),
+        ("operator.minPassIntervalSeconds=-1", "/operator/minPassIntervalSeconds"),
         ("webhook.certificates=self-signed", "/webhook/certificates"),
         ("webhook.enabled=yes-please", "/webhook/enabled"),
         ("postgresql.persistence.size=lots", "/postgresql/persistence/size"),
@@ -274,6 +275,7 @@ def test_the_operator_deployment_speaks_the_operators_real_cli_and_settings(helm
     plain = {var["name"]: var["value"] for var in operator["env"] if "value" in var}
     config = OperatorConfig.from_env(plain)
     assert config.pod_creates_per_second == 5.5 and config.provisioning_timeout_seconds == 600
+    assert config.min_pass_interval_seconds == 0.5
     assert config.proxy_image == "registry.example.com/harnessrl/proxy:0.1.0-rc1"
     assert config.learner_image == "registry.example.com/harnessrl/learner:0.1.0-rc1"
     store = next(var for var in operator["env"] if var["name"] == "HARNESSRL_OPERATOR_STORE_URL")
