@@ -47,6 +47,10 @@ GAUGES: dict[str, str] = {
     "staleness_max": "Largest policy-version lag of the step's rollouts.",
     "logprob_abs_diff": "Mean |rollout log-prob - learner log-prob| on the same generated tokens.",
     "logprob_pearson": "Pearson correlation of rollout and learner log-probs on the same generated tokens.",
+    "logprob_abs_diff_constrained": "Mean |rollout log-prob - learner log-prob| on the tokens scored over a "
+                                    "structured-output grammar's allowed set.",
+    "logprob_pearson_constrained": "Pearson correlation of rollout and learner log-probs on the tokens scored over "
+                                   "a grammar's allowed set.",
     "step_seconds": "Wall time of the last step, claim to commit.",
     "train_seconds": "Wall time of the last step's forward/backward/optimizer phase.",
     "checkpoint_seconds": "Wall time of the last checkpoint save.",
@@ -63,6 +67,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                 "Tokens of the built rollouts' trajectories as they ended, each counted once."),
     "trained_tokens": ("trained_tokens", "Row tokens that went through forward/backward."),
     "zero_variance_groups": ("zero_variance_groups", "Task groups whose rewards were all equal (no gradient)."),
+    "forced_tokens": ("forced_tokens", "Generated tokens with behaviour log-prob 0 (a grammar allowed only them): "
+                                       "context, not trained."),
+    "constrained_tokens": ("constrained_tokens", "Trained tokens scored over the token ids a grammar allowed."),
     "empty_step": ("empty_steps", "Steps with no trainable group: weights kept, nothing saved or reloaded."),
 }
 
