@@ -78,3 +78,22 @@ def test_sets_are_read_where_a_forbidden_entry_shows_every_legal_token():
     # the harness that asked for no log-probs gets none back
     wants = client_wants("chat", {"messages": MESSAGES})
     assert strip_unrequested(response, wants)["choices"][0]["logprobs"] is None
+
+
+def test_a_streamed_call_gives_the_same_sets_as_the_whole_answer():
+    from harnessrl.proxy.protocol import StreamAssembler
+
+    entries = [
+        _entry(5, -0.7, [(5, -0.7), (9, -0.69), (1, FORBIDDEN_LOGPROB)]),
+        _entry(6, 0.0, [(6, 0.0), (1, FORBIDDEN_LOGPROB)]),
+        _entry(7, -3.0, [(7, -3.0), (8, -0.1), (3, -0.2)]),
+    ]
+    assembler = StreamAssembler("chat")
+    assembler.feed({"id": "c", "prompt_token_ids": [1, 2], "choices": [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+    for token, entry in zip((5, 6, 7), entries, strict=True):
+        assembler.feed({"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}, "token_ids": [token],
+                                                "logprobs": {"content": [entry]}, "finish_reason": None}]})
+    assembler.feed({"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    tokens = assembler.tokens()
+    assert tokens.completion_token_ids == [5, 6, 7] and tokens.allowed == [[5, 9], [6], []]
