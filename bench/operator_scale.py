@@ -207,8 +207,9 @@ def run(kube: Cluster, store_url: str, args: argparse.Namespace, work: Path) -> 
     print("all clients' API requests per rollout: "
           + ", ".join(f"{v} {n:.2f}" for v, n in per_rollout_all.items())
           + f" (total {sum(per_rollout_all.values()):.2f})")
-    print(f"operator CPU per rollout: {1000 * cpu / rollouts:.1f} ms; RSS {mem_early:.0f} MiB at {early} "
-          f"finished, {mem_late:.0f} MiB at {rollouts}")
+    print(f"operator CPU per rollout: {1000 * cpu / rollouts:.1f} ms (one core at that cost finishes at most "
+          f"{rollouts / cpu:.0f} rollouts/s; this run needs about {args.concurrency / 3:.0f}/s); RSS "
+          f"{mem_early:.0f} MiB at {early} finished, {mem_late:.0f} MiB at {rollouts}")
     others = sum(machine.values())
     cores = os.cpu_count() or 1
     print("the rest of the machine's CPU per rollout: "

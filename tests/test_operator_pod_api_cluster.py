@@ -60,3 +60,18 @@ def test_create_is_idempotent_refusals_raise_and_deletes_of_gone_pods_pass(
         assert time.monotonic() < deadline, "the deleted pod is still listed after 60 s"
         time.sleep(0.2)
     api.delete(kube_namespace, "p1", 0)  # gone already: a 404, no error
+
+
+def test_a_delete_carries_its_grace_period(pod_api: tuple[PodApi, Any], kube_namespace: str) -> None:
+    """On a node that nobody runs, the API server keeps a deleted pod Terminating for the grace period the
+    delete asked for: the query parameter reached it. A delete with grace 0 then removes it at once."""
+    api, core = pod_api
+    api.create(kube_namespace, pod("p3", nodeName="no-such-node"))
+    api.delete(kube_namespace, "p3", 45)
+    stored = core.read_namespaced_pod("p3", kube_namespace)
+    assert stored.metadata.deletion_timestamp is not None and stored.metadata.deletion_grace_period_seconds == 45
+    api.delete(kube_namespace, "p3", 0)
+    deadline = time.monotonic() + 60
+    while core.list_namespaced_pod(kube_namespace, field_selector="metadata.name=p3").items:
+        assert time.monotonic() < deadline, "the pod deleted with grace 0 is still listed after 60 s"
+        time.sleep(0.2)
