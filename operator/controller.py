@@ -18,7 +18,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import RUN_LABEL
-from harnessrl.operator.pods import PodApi, PodBackend, PodSummary
+from harnessrl.operator.pods import PodApi, PodBackend, PodView
 from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso
 from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
@@ -176,7 +176,7 @@ class RunController:
         uid: str,
         apis: Apis,
         config: OperatorConfig,
-        pods: Callable[[], Iterable[PodSummary]],
+        pods: PodView,
         workloads: Callable[[], Workloads],
         renderers: Renderers,
         clock: Callable[[], float] = time.time,

@@ -144,7 +144,7 @@ def run_daemon(
         uid,
         _state["apis"],
         _state["config"],
-        pods=lambda: informer.pods(name),
+        pods=informer.view(name),
         workloads=lambda: Workloads(
             _first(rollout_deployments, key), _first(learner_jobs, key), informer.workload_pods(name)
         ),

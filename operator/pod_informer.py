@@ -39,9 +39,9 @@ class _Meta(msgspec.Struct, omit_defaults=True):
     name: str = ""
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
-    creationTimestamp: str | None = None  # noqa: N815 - the API's field names
-    deletionTimestamp: str | None = None  # noqa: N815
-    resourceVersion: str | None = None  # noqa: N815
+    creationTimestamp: str | None = None  # the API's field names
+    deletionTimestamp: str | None = None
+    resourceVersion: str | None = None
 
 
 class _ContainerStatus(msgspec.Struct, omit_defaults=True):
@@ -54,8 +54,8 @@ class _Status(msgspec.Struct, omit_defaults=True):
     reason: str | None = None
     message: str | None = None
     conditions: list[dict[str, Any]] | None = None
-    initContainerStatuses: list[_ContainerStatus] | None = None  # noqa: N815
-    containerStatuses: list[_ContainerStatus] | None = None  # noqa: N815
+    initContainerStatuses: list[_ContainerStatus] | None = None
+    containerStatuses: list[_ContainerStatus] | None = None
 
 
 class _Pod(msgspec.Struct, omit_defaults=True):
@@ -100,12 +100,20 @@ class PodInformer(threading.Thread):
         self.synced = threading.Event()
         self._lock = threading.Lock()
         self._pods: dict[str, tuple[str, PodSummary]] = {}  # harness pod name -> (run, summary)
+        self._runs: dict[str, dict[tuple[str, int], PodSummary]] = {}  # the same by run and attempt
         self._workload: dict[str, tuple[str, WorkloadPod]] = {}  # vLLM or learner pod name -> (run, summary)
         self._stopping = threading.Event()
 
     def pods(self, run: str) -> list[PodSummary]:
         with self._lock:
-            return [summary for owner, summary in self._pods.values() if owner == run]
+            return list((self._runs.get(run) or {}).values())
+
+    def pod(self, run: str, key: tuple[str, int]) -> PodSummary | None:
+        return (self._runs.get(run) or {}).get(key)  # one dict lookup: atomic under the GIL
+
+    def view(self, run: str) -> RunPods:
+        """One run's pods, as its ``PodBackend`` reads them."""
+        return RunPods(self, run)
 
     def workload_pods(self, run: str) -> tuple[WorkloadPod, ...]:
         with self._lock:
@@ -136,9 +144,12 @@ class PodInformer(threading.Thread):
                 fresh[item["metadata"]["name"]] = entry
             elif (other := _workload_entry(item)) is not None:
                 workload[item["metadata"]["name"]] = other
+        runs: dict[str, dict[tuple[str, int], PodSummary]] = {}
+        for run, summary in fresh.values():
+            runs.setdefault(run, {})[summary.key] = summary
         with self._lock:
             gone = [self._pods[name] for name in self._pods.keys() - fresh.keys()]
-            self._pods = fresh
+            self._pods, self._runs = fresh, runs
             self._workload = workload
         for run, summary in gone:
             self.on_change(self.namespace, run, summary, True)
@@ -186,8 +197,10 @@ class PodInformer(threading.Thread):
             with self._lock:
                 if kind == "DELETED":
                     self._pods.pop(name, None)
+                    (self._runs.get(run) or {}).pop(summary.key, None)
                 else:
                     self._pods[name] = entry
+                    self._runs.setdefault(run, {})[summary.key] = summary
             if kind == "DELETED" or summary.ended:
                 self.on_change(self.namespace, run, summary, kind == "DELETED")
         log.debug("pod watch for %s ended after %.0f s", self.namespace, time.monotonic() - started)
@@ -202,6 +215,19 @@ class PodInformer(threading.Thread):
                 self._workload.pop(item["metadata"]["name"], None)
             else:
                 self._workload[item["metadata"]["name"]] = entry
+
+
+class RunPods:
+    """``PodView`` of one run: what its ``PodBackend`` sees of the informer."""
+
+    def __init__(self, informer: PodInformer, run: str) -> None:
+        self.informer, self.run = informer, run
+
+    def pods(self) -> list[PodSummary]:
+        return self.informer.pods(self.run)
+
+    def get(self, key: tuple[str, int]) -> PodSummary | None:
+        return self.informer.pod(self.run, key)
 
 
 def _workload_entry(item: dict[str, Any]) -> tuple[str, WorkloadPod] | None:

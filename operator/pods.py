@@ -2,8 +2,8 @@
 
 The same ``RolloutScheduler`` that ``harnessrl run`` drives with processes drives this backend with pods. What
 the backend knows of its pods comes from the operator's watch (a kopf index, fed by one WATCH per operator),
-never from a LIST per reconcile: ``PodBackend`` is given a callable that returns the run's current pods as
-:class:`PodSummary` values, plus the pods the watch saw disappear (tombstones).
+never from a LIST per reconcile: ``PodBackend`` is given the run's :class:`PodView` (its current pods as
+:class:`PodSummary` values, by attempt), plus the pods the watch saw disappear (tombstones).
 
 - launch = create the pod (its name is the attempt's, so a repeated create is a 409, not a second pod);
 - alive = pods not yet in a terminal state;
@@ -25,13 +25,12 @@ reported by ``exits()`` again and released again on a later pass.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import ATTEMPT_ANNOTATION, ROLLOUT_ANNOTATION
@@ -137,6 +136,17 @@ def _join(reason: str | None, message: str | None) -> str | None:
     return reason or message
 
 
+class PodView(Protocol):
+    """The watch's current view of one run's harness pods (``PodInformer.view``)."""
+
+    def pods(self) -> list[PodSummary]:
+        """A snapshot of every pod of the run."""
+
+    def get(self, key: tuple[str, int]) -> PodSummary | None:
+        """The pod of one attempt, without going through the others: a pass stops and releases dozens of
+        attempts, and a run may have thousands of pods."""
+
+
 class PodApi:
     """The two API calls the backend makes; a small seam so the unit tests can count and fail them.
 
@@ -204,14 +214,14 @@ def _api_pool() -> ThreadPoolExecutor:
 
 
 class PodBackend:
-    """One run's harness pods. ``pods()`` is the watch's current view; ``gone`` its tombstones."""
+    """One run's harness pods. ``view`` is the watch's current view; ``gone`` its tombstones."""
 
     def __init__(
         self,
         namespace: str,
         render: Callable[[Launch], dict[str, Any]],
         api: PodApi,
-        pods: Callable[[], Iterable[PodSummary]],
+        view: PodView,
         *,
         pods_per_second: float = 20.0,
         stop_grace_seconds: int = 10,
@@ -222,7 +232,7 @@ class PodBackend:
         self.namespace = namespace
         self.render = render
         self.api = api
-        self.pods = pods
+        self.view = view
         self.stop_grace_seconds = stop_grace_seconds
         self.clock = clock
         self.rate = pods_per_second
@@ -309,7 +319,7 @@ class PodBackend:
 
     def alive(self) -> set[tuple[str, int]]:
         live = set()
-        for pod in self.pods():
+        for pod in self.view.pods():
             if not pod.ended and not pod.deleting:
                 live.add(pod.key)
                 if pod.started_at and pod.created_at and pod.key not in self._start_recorded:
@@ -327,7 +337,7 @@ class PodBackend:
             ended[key] = HarnessExit(*key, None, why)
         for key, why in list(self._refused.items()):
             ended[key] = HarnessExit(*key, None, why)
-        for pod in self.pods():
+        for pod in self.view.pods():
             if pod.key in self._released:
                 continue
             if pod.phase == "Succeeded":
@@ -340,22 +350,22 @@ class PodBackend:
         return [ended[key] for key in sorted(ended)]
 
     def stop(self, rollout_id: str, attempt: int, reason: str) -> None:
-        for pod in self.pods():
-            if pod.key == (rollout_id, attempt) and not pod.deleting:
-                log.info("stopping %s: %s", pod.name, reason)
-                self._delete(pod.name, self.stop_grace_seconds)
+        pod = self.view.get((rollout_id, attempt))
+        if pod is not None and not pod.deleting:
+            log.info("stopping %s: %s", pod.name, reason)
+            self._delete(pod.name, self.stop_grace_seconds)
 
     def release(self, rollout_id: str, attempt: int) -> None:
         key = (rollout_id, attempt)
         self.gone.pop(key, None)
         self._refused.pop(key, None)
         self._start_recorded.discard(key)
-        for pod in self.pods():
-            if pod.key == key:
-                self._released.add(key)
-                if not pod.deleting:
-                    # Clean-up nothing waits for: a pass does not hold its next settlements back on it.
-                    self._call(self._delete_released, key, pod.name, waited=False)
+        pod = self.view.get(key)
+        if pod is not None:
+            self._released.add(key)
+            if not pod.deleting:
+                # Clean-up nothing waits for: a pass does not hold its next settlements back on it.
+                self._call(self._delete_released, key, pod.name, waited=False)
 
     def _delete(self, name: str, grace_seconds: int) -> None:
         self._call(self._delete_now, name, grace_seconds)

@@ -94,8 +94,12 @@ def test_watched_pods_are_summarized_as_from_the_whole_object() -> None:
     assert pods.workload_pods("swe") == (summarize_workload_pod(UNSCHEDULABLE),)
     assert pods.workload_pods("swe")[0].problem == "Unschedulable"
     assert sorted(changes) == [("bad-image", False), ("done", False), ("evicted", False), ("exit-3", False)]
+    view = pods.view("swe")
+    assert view.get(("running", 1)) == summarize_pod(PODS[1]) and view.get(("running", 0)) is None
+    assert pods.view("other-run").get(("running", 1)) is None and pods.view("other-run").pods() == []
     pods._follow(lines(("DELETED", PODS[1])))
-    assert ("running", True) in changes and "running" not in {s.name for s in pods.pods("swe")}
+    assert ("running", True) in changes and "running" not in {s.name for s in view.pods()}
+    assert view.get(("running", 1)) is None
 
 
 def test_an_error_event_raises_with_the_servers_message() -> None:
@@ -113,5 +117,6 @@ def test_a_list_replaces_the_view_and_reports_pods_gone_meanwhile() -> None:
     pods._follow(lines(("ADDED", PODS[1])))
     assert pods._relist() == "42"
     assert [s.name for s in pods.pods("swe")] == ["done"] and pods.pods("swe")[0] == summarize_pod(PODS[2])
+    assert pods.view("swe").get(("running", 1)) is None and pods.view("swe").get(("done", 1)) is not None
     assert pods.workload_pods("swe") == (summarize_workload_pod(UNSCHEDULABLE),)
     assert ("running", True) in changes and ("done", False) in changes

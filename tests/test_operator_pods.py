@@ -196,13 +196,27 @@ def launch(attempt: int = 0, rollout: str = "r1") -> Launch:
     return Launch("run", rollout, attempt, "t1", {"id": "t1"}, 0, 60.0)
 
 
+class ListView:
+    """A ``PodView`` over a list the test edits, standing in for the informer (tests/test_operator_pod_informer.py
+    checks the informer's own view)."""
+
+    def __init__(self, pods: list[PodSummary]) -> None:
+        self.items = pods
+
+    def pods(self) -> list[PodSummary]:
+        return list(self.items)
+
+    def get(self, key: tuple[str, int]) -> PodSummary | None:
+        return next((pod for pod in self.items if pod.key == key), None)
+
+
 def backend(api: RecordingApi, pods: list[PodSummary], clock: list[float] | None = None) -> PodBackend:
     clock = clock if clock is not None else [0.0]
     return PodBackend(
         "ns",
         lambda item: {"metadata": {"name": f"{item.rollout_id}-a{item.attempt}"}},
         api,
-        lambda: list(pods),
+        ListView(pods),
         pods_per_second=4,
         clock=lambda: clock[0],
     )
