@@ -15,6 +15,7 @@ import click
 
 from harnessrl.devcluster.build import BuildError, ensure_binaries
 from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
+from harnessrl.devcluster.node import NodeError
 
 
 def _dir() -> Path:
@@ -40,9 +41,14 @@ def build() -> None:
 
 
 @main.command()
-@click.option("--nodes", default=3, show_default=True, help="Fake (kwok) nodes to create.")
+@click.option("--nodes", type=int, default=None, help="Fake (kwok) nodes to create [default: 3, 0 with --real-node].")
 @click.option("--port", type=int, default=None, help="kube-apiserver port (default: a free one).")
-def up(nodes: int, port: int | None) -> None:
+@click.option(
+    "--real-node",
+    is_flag=True,
+    help="Also join a real node (containerd, kubelet, kube-proxy, CoreDNS, volumes, NetworkPolicies); needs root.",
+)
+def up(nodes: int | None, port: int | None, real_node: bool) -> None:
     """Start a cluster that keeps running after this command; `down` stops it."""
     directory = _dir()
     if (directory / "cluster.json").exists():
@@ -53,13 +59,16 @@ def up(nodes: int, port: int | None) -> None:
                 "run `scripts/kube.sh down` first"
             )
         existing.stop()
-    cluster = start_cluster(directory, nodes=nodes, port=port, attached=False, log=_say)
+    if nodes is None:
+        nodes = 0 if real_node else 3
+    cluster = start_cluster(directory, nodes=nodes, port=port, attached=False, real_node=real_node, log=_say)
     click.echo(f"export KUBECONFIG={cluster.kubeconfig}")
 
 
 @main.command()
 def down() -> None:
-    """Stop every process of the cluster by PID and remove its files."""
+    """Stop every process of the cluster by PID and remove its files (a real node: its pods, mounts, network
+    namespaces, bridge and iptables chains too)."""
     directory = _dir()
     if not (directory / "cluster.json").exists():
         _say(f"kube: no cluster in {directory}")
@@ -83,12 +92,15 @@ def status() -> None:
     click.echo(f"server: {cluster.server}")
     for name, alive in cluster.running().items():
         click.echo(f"{name}: pid {cluster.pids[name]} {'running' if alive else 'NOT RUNNING'}")
+    if cluster.node and cluster.running().get("kube-apiserver"):
+        nodes = cluster.kubectl("get", "nodes", "-o", "wide", check=False)
+        click.echo((nodes.stdout or nodes.stderr).rstrip())
 
 
 if __name__ == "__main__":
     try:
         main(standalone_mode=False)
-    except (BuildError, ClusterError) as exc:
+    except (BuildError, ClusterError, NodeError) as exc:
         _say(str(exc))
         sys.exit(1)
     except click.ClickException as exc:

@@ -68,6 +68,16 @@ TARGETS: tuple[Target, ...] = (
     Target("etcd", "etcd", "harnessrl.dev/kube/etcd"),
     Target("kwok", "kwok", "sigs.k8s.io/kwok/cmd/kwok"),
 )
+# The real node's binaries (harnessrl.devcluster.node): a set of their own, cached apart, so adding the node
+# never rebuilds the control plane and a cluster of kwok nodes alone never builds them.
+NODE_TARGETS: tuple[Target, ...] = (
+    Target("kubelet", "node", "k8s.io/kubernetes/cmd/kubelet", _KUBE_STAMP),
+    Target("kube-proxy", "node", "k8s.io/kubernetes/cmd/kube-proxy", _KUBE_STAMP),
+    Target("coredns", "coredns", "harnessrl.dev/kube/coredns"),
+    Target("pause", "pause", "harnessrl.dev/kube/pause"),
+    Target("local-path-provisioner", "local-path", "github.com/rancher/local-path-provisioner"),
+    Target("kube-router", "netpol", "github.com/cloudnativelabs/kube-router/v2/cmd/kube-router"),
+)
 
 
 def modules_dir() -> Path:
@@ -84,9 +94,13 @@ def cache_root() -> Path:
     return base / "harnessrl"
 
 
-def _digest(modules: Path) -> str:
+def _digest(modules: Path, targets: tuple[Target, ...]) -> str:
+    """A digest of the recipe and of the wrapper modules ``targets`` are built from (their go.mod, go.sum and
+    Go files), so another set's modules never invalidate this set's cache."""
+    names = {target.module for target in targets}
     digest = hashlib.sha256(_RECIPE.encode())
-    for path in sorted(modules.glob("*/go.*")) + sorted(modules.glob("*/*.go")):
+    files = sorted(p for p in modules.glob("*/go.*") if p.parent.name in names)
+    for path in files + sorted(p for p in modules.glob("*/*.go") if p.parent.name in names):
         digest.update(str(path.relative_to(modules)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:12]
 
@@ -110,25 +124,36 @@ class Binaries:
 
 
 def ensure_binaries(log=print) -> Binaries:
-    """The cached binaries for this checkout's modules, building them first if they are missing.
+    """The cached control-plane binaries for this checkout's modules, building them first if missing.
 
     Concurrent callers wait on a lock instead of building twice. Raises :class:`BuildError`.
     """
+    return _ensure("kube", TARGETS, log)
+
+
+def ensure_node_binaries(log=print) -> Binaries:
+    """The cached binaries of the real node (kubelet, kube-proxy, CoreDNS, pause, the volume provisioner and
+    the NetworkPolicy enforcer), building them first if missing. Raises :class:`BuildError`."""
+    return _ensure("node", NODE_TARGETS, log)
+
+
+def _ensure(prefix: str, targets: tuple[Target, ...], log) -> Binaries:
     modules = modules_dir()
-    if not (modules / "kubernetes" / "go.mod").is_file():
+    missing = sorted({t.module for t in targets if not (modules / t.module / "go.mod").is_file()})
+    if missing:
         raise BuildError(
-            f"kube build: no wrapper modules at {modules} (set HARNESSRL_KUBE_MODULES to "
+            f"kube build: no wrapper module {', '.join(missing)} at {modules} (set HARNESSRL_KUBE_MODULES to "
             "the checkout's scripts/kube)"
         )
     root = cache_root()
-    target = root / f"kube-{KUBERNETES_VERSION}-{_digest(modules)}"
+    target = root / f"{prefix}-{KUBERNETES_VERSION}-{_digest(modules, targets)}"
     if (target / "build.json").is_file():
         return Binaries(target)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "build.json").is_file():
-            _build_all(modules, target, log)
+            _build_all(modules, targets, target, log)
     return Binaries(target)
 
 
@@ -139,7 +164,7 @@ def _go_env() -> dict[str, str]:
     return env
 
 
-def _build_all(modules: Path, target: Path, log) -> None:
+def _build_all(modules: Path, targets: tuple[Target, ...], target: Path, log) -> None:
     go = shutil.which("go")
     if go is None:
         raise BuildError("kube build: `go` is not on PATH; install Go 1.26 or later and run it again")
@@ -148,18 +173,19 @@ def _build_all(modules: Path, target: Path, log) -> None:
     (staging / "bin").mkdir(parents=True)
     measured: dict[str, dict[str, float]] = {}
     env = _go_env()
-    for item in TARGETS:
+    for item in targets:
         log(f"kube build: {item.name} ...")
         measured[item.name] = _build_one(go, item, modules / item.module, staging, env)
         log(
             f"kube build: {item.name} {measured[item.name]['seconds']:.0f} s, "
             f"peak {measured[item.name]['peak_rss_mib']:.0f} MiB"
         )
-    kwok_dir = _module_dir(go, modules / "kwok", "sigs.k8s.io/kwok", env)
-    shutil.copy(
-        kwok_dir / "kustomize" / "stage" / "node" / "fast" / "node-initialize.yaml",
-        staging / "node-initialize.yaml",
-    )
+    if any(item.module == "kwok" for item in targets):
+        kwok_dir = _module_dir(go, modules / "kwok", "sigs.k8s.io/kwok", env)
+        shutil.copy(
+            kwok_dir / "kustomize" / "stage" / "node" / "fast" / "node-initialize.yaml",
+            staging / "node-initialize.yaml",
+        )
     (staging / "build.json").write_text(
         json.dumps(
             {
@@ -234,8 +260,11 @@ if __name__ == "__main__":
     # build the binaries with the system Python while pip is still filling the venv.
     import sys
 
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        ensure_binaries(lambda line: print(line, file=sys.stderr, flush=True))
+        ensure_binaries(say)
+        if "--node" in sys.argv[1:]:
+            ensure_node_binaries(say)
     except BuildError as error:
         print(error, file=sys.stderr)
         sys.exit(1)

@@ -41,6 +41,8 @@ from harnessrl.local.orphans import die_with_parent
 STATE_FILE = "cluster.json"
 START_TIMEOUT_S = 90.0
 SERVICE_CIDR = "10.0.0.0/24"
+SERVICE_IP = "10.0.0.1"  # the `kubernetes` Service: the first address of SERVICE_CIDR
+_SERVICE_SUFFIXES = ("", ".default", ".default.svc", ".default.svc.cluster.local")
 POD_CIDR = "10.244.0.0/16"
 
 
@@ -64,6 +66,19 @@ class Cluster:
     binaries: Binaries
     pids: dict[str, int] = field(default_factory=dict)
     etcd_data: Path | None = None
+    exes: dict[str, str] = field(default_factory=dict)  # name -> executable, to tell our PIDs from reused ones
+    node: dict | None = None  # the real node's layout (harnessrl.devcluster.node), when one was joined
+    node_ip: str = "127.0.0.1"  # the address pods and the node's components reach the API server at
+    attached: bool = True
+
+    @property
+    def server_for_node(self) -> str:
+        """The API server's URL at the node's address (what kubelet, kube-proxy and pods use)."""
+        return f"https://{self.node_ip}:{self.server.rsplit(':', 1)[1]}"
+
+    @property
+    def node_binaries(self) -> Binaries | None:
+        return Binaries(Path(self.exes["kubelet"]).parents[1]) if "kubelet" in self.exes else None
 
     @property
     def pki(self) -> Pki:
@@ -126,12 +141,20 @@ class Cluster:
         return path
 
     def running(self) -> dict[str, bool]:
-        return {name: _alive(pid, self.binaries[name]) for name, pid in self.pids.items()}
+        return {name: _alive(pid, self.executable(name)) for name, pid in self.pids.items()}
+
+    def executable(self, name: str) -> Path:
+        return Path(self.exes[name]) if name in self.exes else self.binaries[name]
 
     def stop(self, remove: bool = True) -> None:
-        """Stop every process (SIGTERM, then SIGKILL after a grace period) and remove the cluster's files."""
+        """Stop every process (SIGTERM, then SIGKILL after a grace period) and remove the cluster's files.
+        A real node goes first, while the API server can still delete its pods through kubelet."""
+        if self.node:
+            from harnessrl.devcluster.node import stop_node
+
+            stop_node(self)
         for name in reversed(list(self.pids)):
-            _terminate(self.pids[name], self.binaries[name])
+            _terminate(self.pids[name], self.executable(name))
         self.pids.clear()
         if self.etcd_data is not None:
             shutil.rmtree(self.etcd_data, ignore_errors=True)
@@ -148,6 +171,10 @@ class Cluster:
                     "binaries": str(self.binaries.dir),
                     "pids": self.pids,
                     "etcd_data": str(self.etcd_data) if self.etcd_data else None,
+                    "exes": self.exes,
+                    "node": self.node,
+                    "node_ip": self.node_ip,
+                    "attached": self.attached,
                 },
                 indent=2,
             )
@@ -165,6 +192,10 @@ class Cluster:
             Binaries(Path(state["binaries"])),
             dict(state["pids"]),
             Path(state["etcd_data"]) if state["etcd_data"] else None,
+            dict(state.get("exes", {})),
+            state.get("node"),
+            state.get("node_ip", "127.0.0.1"),
+            state.get("attached", False),
         )
 
 
@@ -176,6 +207,7 @@ def start_cluster(
     attached: bool = True,
     benchmark: bool = False,
     audit_users: Sequence[str] = (),
+    real_node: bool = False,
     log: Callable[[str], None] = print,
 ) -> Cluster:
     """Build (once) and start a control plane; raises :class:`ClusterError` with nothing left running.
@@ -183,14 +215,27 @@ def start_cluster(
     ``attached``: the processes die with this process (tests). ``benchmark``: lift the API server's
     in-flight limits and priority-and-fairness, so a benchmark measures the operator, not the throttle.
     ``audit_users``: log the metadata of these users' requests to :attr:`Cluster.audit_log`.
+    ``real_node``: join a real node (:mod:`.node`; needs root): the API server then listens on every address
+    and advertises the node's, so pods reach it through the ``kubernetes`` Service.
     """
     binaries = ensure_binaries(log)
     directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="harnessrl-kube-"))
     directory.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm")
     etcd_data = Path(tempfile.mkdtemp(prefix="harnessrl-etcd-", dir=shm if shm.is_dir() else None))
-    cluster = Cluster(directory, "", binaries, etcd_data=etcd_data)
-    pki = make_pki(directory / "pki")
+    cluster = Cluster(directory, "", binaries, etcd_data=etcd_data, attached=attached)
+    if real_node:
+        from harnessrl.devcluster.node import node_ip, preflight
+
+        preflight(log)
+        cluster.node_ip = node_ip()
+        pki = make_pki(
+            directory / "pki",
+            serving_ips=(cluster.node_ip, SERVICE_IP),
+            serving_dns=tuple(f"kubernetes{suffix}" for suffix in _SERVICE_SUFFIXES),
+        )
+    else:
+        pki = make_pki(directory / "pki")
     logs = directory / "logs"
     logs.mkdir(exist_ok=True)
     started = time.monotonic()
@@ -225,10 +270,7 @@ def start_cluster(
 
         apiserver = [
             f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1",
             f"--secure-port={api_port}",
-            "--advertise-address=127.0.0.1",
-            "--endpoint-reconciler-type=none",
             f"--tls-cert-file={pki.serving_cert}",
             f"--tls-private-key-file={pki.serving_key}",
             f"--client-ca-file={pki.ca_cert}",
@@ -241,6 +283,25 @@ def start_cluster(
             "--disable-admission-plugins=TaintNodesByCondition",
             f"--cert-dir={directory / 'apiserver-certs'}",
         ]
+        if real_node:
+            # Pods reach the API server through the `kubernetes` Service, whose endpoint is the advertised
+            # address (kept by the endpoint reconciler); `kubectl logs/exec` dial kubelet at the node's IP.
+            kubelet_cert, kubelet_key = pki.client_certificate("kube-apiserver-kubelet-client", ("system:masters",))
+            apiserver += [
+                "--bind-address=0.0.0.0",
+                f"--advertise-address={cluster.node_ip}",
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
+                f"--kubelet-client-certificate={kubelet_cert}",
+                f"--kubelet-client-key={kubelet_key}",
+                f"--kubelet-certificate-authority={pki.ca_cert}",
+            ]
+        else:
+            # No default route needed: nothing but local clients talk to it.
+            apiserver += [
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                "--endpoint-reconciler-type=none",
+            ]
         if audit_users:
             # Metadata of every request these users make, one JSON line each: how a benchmark counts one
             # client's requests by verb (apiserver_request_total has no client label).
@@ -350,8 +411,13 @@ def start_cluster(
             attached,
         )
 
-        _add_nodes(cluster, nodes)
+        if nodes:
+            _add_nodes(cluster, nodes)
         _wait_for_default_service_account(cluster)
+        if real_node:
+            from harnessrl.devcluster.node import start_node
+
+            start_node(cluster, log)
     except BaseException:
         cluster.stop(remove=False)
         raise
@@ -364,10 +430,19 @@ def start_cluster(
 
 
 def _start(
-    cluster: Cluster, name: str, args: list[str], ready: Callable[[], bool], logs: Path, attached: bool
+    cluster: Cluster,
+    name: str,
+    args: list[str],
+    ready: Callable[[], bool],
+    logs: Path,
+    attached: bool,
+    binary: Path | None = None,
+    settle_s: float = 0.0,
 ) -> None:
+    """Start one component and wait until ``ready()``; ``settle_s``: for a component without a readiness
+    endpoint, how long it must stay up to count as started."""
     log_path = logs / f"{name}.log"
-    binary = cluster.binaries[name]
+    binary = binary or cluster.binaries[name]
     with open(log_path, "wb") as out:
         proc = subprocess.Popen(
             [str(binary), *args],
@@ -379,7 +454,10 @@ def _start(
             preexec_fn=die_with_parent() if attached else None,  # noqa: PLW1509 - safe, see orphans.py
         )
     cluster.pids[name] = proc.pid
+    cluster.exes[name] = str(binary)
     cluster.save()
+    if settle_s:
+        time.sleep(settle_s)
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
         code = proc.poll()

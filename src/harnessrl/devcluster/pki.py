@@ -49,6 +49,16 @@ class Pki:
     def service_account_pub(self) -> Path:
         return self.dir / "sa.pub"
 
+    def serving_certificate(
+        self, name: str, ips: tuple[str, ...] = (), dns: tuple[str, ...] = ()
+    ) -> tuple[Path, Path]:
+        """(cert, key) files of another server (a kubelet, say) for these addresses and names."""
+        cert, key = self.dir / f"serving-{name}.crt", self.dir / f"serving-{name}.key"
+        if not cert.exists():
+            subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+            _issue(self, subject, cert, key, server=True, ips=ips, dns=dns)
+        return cert, key
+
     def client_certificate(self, user: str, groups: tuple[str, ...] = ()) -> tuple[Path, Path]:
         """(cert, key) files for a client that authenticates as ``user`` in ``groups``."""
         cert, key = self.dir / f"client-{user}.crt", self.dir / f"client-{user}.key"
@@ -59,7 +69,10 @@ class Pki:
         return cert, key
 
 
-def make_pki(directory: Path) -> Pki:
+def make_pki(directory: Path, serving_ips: tuple[str, ...] = (), serving_dns: tuple[str, ...] = ()) -> Pki:
+    """The CA, the control plane's serving certificate (127.0.0.1 and localhost, plus ``serving_ips`` and
+    ``serving_dns``: with a real node, pods reach the API server by the node's address and the ``kubernetes``
+    Service's IP and names), the admin's client certificate and the service-account key pair."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(directory)
     ca_key = ec.generate_private_key(ec.SECP256R1())
@@ -98,6 +111,8 @@ def make_pki(directory: Path) -> Pki:
         pki.serving_cert,
         pki.serving_key,
         server=True,
+        ips=serving_ips,
+        dns=serving_dns,
     )
     pki.client_certificate("admin", ("system:masters",))
     sa_key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
@@ -110,7 +125,16 @@ def make_pki(directory: Path) -> Pki:
     return pki
 
 
-def _issue(pki: Pki, subject: x509.Name, cert_path: Path, key_path: Path, *, server: bool) -> None:
+def _issue(
+    pki: Pki,
+    subject: x509.Name,
+    cert_path: Path,
+    key_path: Path,
+    *,
+    server: bool,
+    ips: tuple[str, ...] = (),
+    dns: tuple[str, ...] = (),
+) -> None:
     ca_key = serialization.load_pem_private_key(pki.ca_key.read_bytes(), password=None)
     ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
     key = ec.generate_private_key(ec.SECP256R1())
@@ -136,10 +160,8 @@ def _issue(pki: Pki, subject: x509.Name, cert_path: Path, key_path: Path, *, ser
     if server:
         builder = builder.add_extension(
             x509.SubjectAlternativeName(
-                [
-                    x509.DNSName("localhost"),
-                    x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-                ]
+                [x509.DNSName(name) for name in dict.fromkeys(("localhost", *dns))]
+                + [x509.IPAddress(ipaddress.ip_address(ip)) for ip in dict.fromkeys(("127.0.0.1", *ips))]
             ),
             critical=False,
         )
