@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 # not charged to a test's timeout. A cluster test that cannot start its cluster then fails, never skips,
 # unless HARNESSRL_TEST_KUBE_REQUIRED=0 is set by hand.
 kube_log=$(mktemp)
-python3 src/harnessrl/devcluster/build.py >"$kube_log" 2>&1 &
+python3 src/harnessrl/devcluster/build.py --node >"$kube_log" 2>&1 &
 kube_build=$!
 scripts/setup.sh test
 # shellcheck disable=SC1091
@@ -23,7 +23,8 @@ else
 fi
 trap stop_postgres EXIT
 export HARNESSRL_TEST_KUBE_REQUIRED="${HARNESSRL_TEST_KUBE_REQUIRED:-1}"
-if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build; else
+# `build --node` also installs the Debian packages the real node runs (containerd, runc, CNI plugins, ...).
+if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build --node; else
   cat "$kube_log" >&2; echo "WARNING: the Kubernetes control plane could not be built; its tests will fail" >&2
 fi
 rm -f "$kube_log"

@@ -131,15 +131,45 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         cluster.stop()
 
 
-@pytest.fixture
-def kube_namespace(kube: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace for one test (pods can be created in it at once), deleted afterwards."""
+@pytest.fixture(scope="module")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A control plane with a real node (kubelet, containerd, CoreDNS, volumes, NetworkPolicies) and no kwok
+    nodes, per test module: one real node fits a machine, so modules take turns. Fails when it cannot start
+    (root and a few kernel features are needed), unless HARNESSRL_TEST_KUBE_REQUIRED=0."""
+    from harnessrl.devcluster.node import NodeError
+
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("real"), nodes=0, real_node=True, log=lambda line: None)
+    except (BuildError, ClusterError, NodeError) as exc:
+        if os.environ.get(KUBE_REQUIRED_ENV, "1") != "0":
+            pytest.fail(f"no real node: {exc}", pytrace=False)
+        pytest.skip(f"no real node: {exc} ({KUBE_REQUIRED_ENV}=0)")
+    try:
+        cluster.apply_crd(ROOT / CRD_PATH)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _fresh_namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     base = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
     name = f"{base}-{uuid.uuid4().hex[:6]}"
-    kube.kubectl("create", "namespace", name)
+    cluster.kubectl("create", "namespace", name)
     deadline = time.monotonic() + 60
-    while kube.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
+    while cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode != 0:
         assert time.monotonic() < deadline, f"no default ServiceAccount in namespace {name} after 60 s"
         time.sleep(0.1)
     yield name
-    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def real_namespace(real_cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace on the real-node cluster for one test, deleted afterwards."""
+    yield from _fresh_namespace(real_cluster, request)
+
+
+@pytest.fixture
+def kube_namespace(kube: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace for one test (pods can be created in it at once), deleted afterwards."""
+    yield from _fresh_namespace(kube, request)

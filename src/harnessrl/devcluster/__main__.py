@@ -13,9 +13,9 @@ from pathlib import Path
 
 import click
 
-from harnessrl.devcluster.build import BuildError, ensure_binaries
+from harnessrl.devcluster.build import BuildError, ensure_binaries, ensure_node_binaries
 from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
-from harnessrl.devcluster.node import NodeError
+from harnessrl.devcluster.node import NodeError, preflight
 
 
 def _dir() -> Path:
@@ -32,12 +32,19 @@ def main() -> None:
 
 
 @main.command()
-def build() -> None:
+@click.option(
+    "--node", is_flag=True, help="Also the real node's binaries, and install the Debian packages it runs (root)."
+)
+def build(node: bool) -> None:
     """Build the binaries once (cached under ~/.cache/harnessrl) and print what each build measured."""
-    binaries = ensure_binaries(_say)
-    for name, measured in binaries.measurements().items():
-        click.echo(f"{name}: {measured['seconds']:.0f} s, peak RSS {measured['peak_rss_mib']:.0f} MiB")
-    click.echo(f"binaries: {binaries.dir / 'bin'}")
+    sets = [ensure_binaries(_say)]
+    if node:
+        preflight(_say)
+        sets.append(ensure_node_binaries(_say))
+    for binaries in sets:
+        for name, measured in binaries.measurements().items():
+            click.echo(f"{name}: {measured['seconds']:.0f} s, peak RSS {measured['peak_rss_mib']:.0f} MiB")
+        click.echo(f"binaries: {binaries.dir / 'bin'}")
 
 
 @main.command()

@@ -218,6 +218,10 @@ def start_cluster(
     ``real_node``: join a real node (:mod:`.node`; needs root): the API server then listens on every address
     and advertises the node's, so pods reach it through the ``kubernetes`` Service.
     """
+    if real_node:  # before any build: without root or a kernel feature, nothing else is worth doing
+        from harnessrl.devcluster.node import preflight
+
+        preflight(log)
     binaries = ensure_binaries(log)
     directory = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="harnessrl-kube-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -225,9 +229,8 @@ def start_cluster(
     etcd_data = Path(tempfile.mkdtemp(prefix="harnessrl-etcd-", dir=shm if shm.is_dir() else None))
     cluster = Cluster(directory, "", binaries, etcd_data=etcd_data, attached=attached)
     if real_node:
-        from harnessrl.devcluster.node import node_ip, preflight
+        from harnessrl.devcluster.node import node_ip
 
-        preflight(log)
         cluster.node_ip = node_ip()
         pki = make_pki(
             directory / "pki",

@@ -237,7 +237,7 @@ def cluster_objects(layout: NodeLayout, provisioner_user: str, enforcer_user: st
 
 def coredns_objects() -> list[dict]:
     labels = {"k8s-app": "kube-dns"}
-    corefile = f""".:1053 {{
+    corefile = f""".:53 {{
     errors
     health :8080
     ready :8181
@@ -286,7 +286,14 @@ def coredns_objects() -> list[dict]:
                         "serviceAccountName": "coredns",
                         "priorityClassName": "system-cluster-critical",
                         "dnsPolicy": "Default",
-                        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "runAsGroup": 65532},
+                        # Port 53 in the pod, as on kind and managed clusters (NetworkPolicies name the pod's
+                        # port), without root: a namespaced sysctl every kubelet allows.
+                        "securityContext": {
+                            "runAsNonRoot": True,
+                            "runAsUser": 65532,
+                            "runAsGroup": 65532,
+                            "sysctls": [{"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"}],
+                        },
                         "containers": [
                             {
                                 "name": "coredns",
@@ -294,8 +301,8 @@ def coredns_objects() -> list[dict]:
                                 "imagePullPolicy": "Never",
                                 "args": ["-conf", "/etc/coredns/Corefile"],
                                 "ports": [
-                                    {"name": "dns", "containerPort": 1053, "protocol": "UDP"},
-                                    {"name": "dns-tcp", "containerPort": 1053, "protocol": "TCP"},
+                                    {"name": "dns", "containerPort": 53, "protocol": "UDP"},
+                                    {"name": "dns-tcp", "containerPort": 53, "protocol": "TCP"},
                                 ],
                                 "readinessProbe": {"httpGet": {"path": "/ready", "port": 8181}, "periodSeconds": 2},
                                 "livenessProbe": {"httpGet": {"path": "/health", "port": 8080}},
@@ -321,8 +328,8 @@ def coredns_objects() -> list[dict]:
                 "selector": labels,
                 "clusterIP": CLUSTER_DNS_IP,
                 "ports": [
-                    {"name": "dns", "port": 53, "targetPort": 1053, "protocol": "UDP"},
-                    {"name": "dns-tcp", "port": 53, "targetPort": 1053, "protocol": "TCP"},
+                    {"name": "dns", "port": 53, "targetPort": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "targetPort": 53, "protocol": "TCP"},
                 ],
             },
         },
