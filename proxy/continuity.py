@@ -65,6 +65,7 @@ that found none) continues through ``/v1/completions``, whose text is then the r
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -455,22 +456,60 @@ class TokenContinuity:
     async def _derender(
         self, data: dict[str, Any], chat: dict[str, Any], prompt: list[int], key: str
     ) -> dict[str, Any]:
-        """The generate answer as the chat completion the server would have answered (its parsers run)."""
-        payload = {"generate_response": data, "chat_request": chat, "prompt_token_ids": prompt}
-        try:
-            answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
-            out = loads(answer.body) if answer.status == 200 else None
-        except (UpstreamUnavailable, ValueError):
-            out = None
+        """The generate answer as the chat completion the server would have answered (its parsers run).
+
+        What the parsers read must be the text the chat route's engine would have detokenized, or a forced
+        call's answer differs on the continuation path (issue 26, found with Claude Code): the engine leaves a
+        stop token (EOS or ``stop_token_ids``) out of the text unless ``include_stop_str_in_output``, but the
+        derender endpoint decodes every generated token with special tokens kept for the parsers, so a
+        ``<|im_end|>`` trailed the text: a plain answer read ``'...<|im_end|>'``, a named tool_choice's
+        arguments (parsers without structural tags take the text as the arguments) were no JSON, and a
+        ``required`` call's JSON array did not parse (no tool call, ``content: []``). So derender is given the
+        tokens without the stop token (``decoded_tokens``), an answer that is nothing but the stop token is the
+        empty message the chat route answers, a stop string cuts the content where the engine cuts its text,
+        and the answer keeps every generated token and log-prob as sampled, with the prompt's length as usage
+        (derender counts 0 prompt tokens unless told).
+        """
+        keep_stop = chat.get("include_stop_str_in_output") is True
+        sent = {**data, "choices": [{**c, "token_ids": decoded_tokens(c, keep_stop)}
+                                    for c in data.get("choices") or [] if isinstance(c, dict)]}
+        decodable = [c for c in sent["choices"] if c["token_ids"]]
+        out: Any = {"id": data.get("request_id"), "object": "chat.completion", "created": int(time.time()),
+                    "model": chat.get("model"), "choices": []}
+        if decodable:
+            sent["choices"] = decodable
+            payload = {"generate_response": sent, "chat_request": chat, "prompt_token_ids": prompt,
+                       "prompt_tokens": len(prompt)}
+            try:
+                answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
+                out = loads(answer.body) if answer.status == 200 else None
+            except (UpstreamUnavailable, ValueError):
+                out = None
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderFailed(f"the upstream's {DERENDER_PATH} did not answer a chat completion")
-        generated = {c.get("index", 0): c for c in data.get("choices") or [] if isinstance(c, dict)}
-        for choice in out["choices"]:
-            source = generated.get(choice.get("index", 0), {})
-            if choice.get("token_ids") is None:
-                choice["token_ids"] = source.get("token_ids")
+        derendered = {c.get("index", 0): c for c in out["choices"] if isinstance(c, dict)}
+        choices = []
+        for source in data.get("choices") or []:
+            if not isinstance(source, dict):
+                continue
+            index = source.get("index", 0)
+            choice = derendered.get(index) or {
+                "index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": source.get("finish_reason"), "stop_reason": source.get("stop_reason")}
+            choice["token_ids"] = source.get("token_ids")
             if chat.get("return_tokens_as_token_ids") and isinstance(source.get("logprobs"), dict):
                 choice["logprobs"] = _token_id_logprobs(source["logprobs"])
+            stop = source.get("stop_reason")
+            message = choice.get("message")
+            if isinstance(stop, str) and stop and not keep_stop and isinstance(message, dict):
+                content = message.get("content")
+                if isinstance(content, str) and stop in content:
+                    message["content"] = content[: content.index(stop)]
+            choices.append(choice)
+        out["choices"] = choices
+        completion = sum(len(c.get("token_ids") or []) for c in choices)
+        out["usage"] = {"prompt_tokens": len(prompt), "completion_tokens": completion,
+                        "total_tokens": len(prompt) + completion}
         out["prompt_token_ids"] = prompt
         return out
 
@@ -567,6 +606,14 @@ def _token_id_logprobs(generated: dict[str, Any]) -> dict[str, Any]:
         if isinstance(e, dict)
     ]
     return {"content": content}
+
+
+def decoded_tokens(choice: dict[str, Any], keep_stop: bool) -> list[int]:
+    """The generated tokens whose text the engine answers: without the stop token that ended the choice (a
+    ``finish_reason`` "stop" whose ``stop_reason`` is a token id, or None for EOS), as its detokenizer does."""
+    ids = list(choice.get("token_ids") or [])
+    stopped_on_token = choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str)
+    return ids[:-1] if ids and stopped_on_token and not keep_stop else ids
 
 
 def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | None:
