@@ -15,16 +15,23 @@ A streamed request is answered once the completion is whole, as Anthropic's even
 (``message_start``, each block's start / delta / stop, ``message_delta``, ``message_stop``): exact capture
 over token-by-token delivery, as for the Responses API. Supported content: text, ``thinking`` (the reasoning a
 server's reasoning parser splits off, answered as vLLM's own route does), ``tool_use`` and ``tool_result``
-blocks (with text content); an image or document block gets a 400 naming it.
+blocks (with text and ``tool_reference`` content: ``tool_reference_text``); an image or document block gets a
+400 naming it (logged with its rollout and counted in ``harnessrl_proxy_refused_total``).
+
+A ``tool_use`` input is the model's arguments as generated (``tool_input``): read leniently, a number no float
+holds kept as its literal, and arguments that are no JSON object as ``{"_raw": "<text>"}``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
+
+import msgspec
 
 from . import chat_served
 from .chat_served import carried, without_carried
@@ -59,12 +66,25 @@ def _text(content: Any, where: str) -> str:
         raise RequestError(f"'{where}' must be a string or an array of content blocks", param=where)
     texts = []
     for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise RequestError(f"'{where}[{i}]' is a {kind!s} block; the proxy passes text blocks here",
-                               param=f"{where}[{i}]")
-        texts.append(block["text"])
+        kind = block.get("type") if isinstance(block, dict) else type(block).__name__
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_reference" and isinstance(block.get("tool_name"), str):
+            texts.append(tool_reference_text(block["tool_name"]))
+        else:
+            raise RequestError(f"'{where}[{i}]' is a {kind!s} block; the proxy passes text (and in tool results "
+                               "tool_reference) blocks here", param=f"{where}[{i}]", code="unsupported_block")
     return "".join(texts)
+
+
+def tool_reference_text(name: str) -> str:
+    """A ``tool_reference`` block (Claude Code's ToolSearch answers with them) as the text the model reads.
+
+    Anthropic's API loads the named tool's definition when a tool search result references it, the tools
+    marked ``defer_loading`` being left out of the prompt until then. The proxy renders every tool, deferred
+    ones included (``chat_request``), so the definition is already in the prompt and the reference only names
+    the tool, one line each."""
+    return f"Tool loaded: {name}\n"
 
 
 def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -98,13 +118,14 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                 pass  # opaque (as in vLLM's own route): accepted so an echoed answer is not refused
             elif kind == "tool_use" and role == "assistant":
                 calls.append({"id": block.get("id"), "type": "function", "function": {
-                    "name": block.get("name"), "arguments": json.dumps(block.get("input") or {})}})
+                    "name": block.get("name"), "arguments": tool_arguments(block.get("input"))}})
             elif kind == "tool_result" and role == "user":
                 results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
                                 "content": _text(block.get("content") or "", f"{at}.content")})
             else:
                 raise RequestError(f"'{at}' is a {kind!s} block in a {role} message; the proxy passes text, "
-                                   "thinking and tool_use (assistant) and tool_result (user) blocks", param=at)
+                                   "thinking and tool_use (assistant) and tool_result (user) blocks", param=at,
+                                   code="unsupported_block")
         out.extend(results)
         if texts or calls or thoughts or not results:
             message_out: dict[str, Any] = {"role": role, "content": "".join(texts)}
@@ -114,6 +135,50 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                 message_out["tool_calls"] = calls
             out.append(message_out)
     return out
+
+
+RAW_ARGUMENTS = "_raw"  # a tool_use input holding arguments that are no JSON object, as generated
+
+
+def _float(text: str) -> Any:
+    """A JSON number as a float, or its literal (``msgspec.Raw``, sent as written) when no finite float holds
+    it: the harness gets the number the model wrote (``1e999`` reads back as Infinity in JavaScript too)."""
+    value = float(text)
+    return value if math.isfinite(value) else msgspec.Raw(text.encode())
+
+
+def _constant(name: str) -> Any:
+    """``Infinity`` / ``-Infinity`` / ``NaN``, which vLLM's tool parsers write for a number too large for a
+    float (they re-dump the model's arguments with Python's json): as the JSON number that reads back as it."""
+    return msgspec.Raw({"Infinity": b"1e999", "-Infinity": b"-1e999"}[name]) if name != "NaN" else None
+
+
+def tool_input(arguments: Any) -> dict[str, Any]:
+    """A chat tool call's ``arguments`` as an Anthropic ``tool_use`` input.
+
+    What the model generated, read leniently: control characters inside strings are taken (Python's
+    ``strict=False``, as the parsers that accepted them do), and a number no float holds keeps its literal
+    (the store keeps it as text, ``strict_json.py``).
+    Arguments that are no JSON object (a forced call without a strict schema lets a random model write any
+    JSON, or a call cut at ``max_tokens``) come as ``{"_raw": "<the arguments as generated>"}``, since an
+    input must be an object; ``tool_arguments`` turns such an input back into the same text.
+    """
+    text = arguments if isinstance(arguments, str) else "{}" if arguments is None else json.dumps(arguments)
+    try:
+        value = json.loads(text or "{}", strict=False, parse_float=_float, parse_constant=_constant)
+    except ValueError:
+        value = None
+    return value if isinstance(value, dict) else {RAW_ARGUMENTS: text}
+
+
+def tool_arguments(tool_input_: Any) -> str:
+    """A ``tool_use`` input as chat arguments: the text of an input ``tool_input`` wrapped, else its JSON."""
+    if isinstance(tool_input_, dict) and set(tool_input_) == {RAW_ARGUMENTS} and isinstance(tool_input_[RAW_ARGUMENTS], str):
+        return tool_input_[RAW_ARGUMENTS]
+    try:
+        return json.dumps(tool_input_ or {})
+    except TypeError:  # a number ``tool_input`` kept as its literal
+        return dumps(tool_input_).decode()
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -179,11 +244,8 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
         content.append({"type": "text", "text": message["content"]})
     for call in message.get("tool_calls") or []:
         fn = call.get("function") or {}
-        try:
-            arguments = json.loads(fn.get("arguments") or "{}")
-        except ValueError:
-            arguments = {"_raw": fn.get("arguments")}
-        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"), "input": arguments})
+        content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                        "input": tool_input(fn.get("arguments"))})
     finish = choice.get("finish_reason")
     stop_sequence = choice.get("stop_reason") if isinstance(choice.get("stop_reason"), str) else None
     usage = chat.get("usage") or {}
@@ -227,7 +289,7 @@ def replay_events(message: Mapping[str, Any]) -> list[dict[str, Any]]:
         signed: list[dict[str, Any]] = []
         if block.get("type") == "tool_use":
             opened = {**block, "input": {}}
-            delta = {"type": "input_json_delta", "partial_json": json.dumps(block.get("input") or {})}
+            delta = {"type": "input_json_delta", "partial_json": dumps(block.get("input") or {}).decode()}
         elif block.get("type") == "thinking":
             opened = {**block, "thinking": "", "signature": ""}
             delta = {"type": "thinking_delta", "thinking": block.get("thinking") or ""}

@@ -44,7 +44,7 @@ from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
 from . import anthropic_api, chat_served, protocol, responses_api
-from .call_log import log_call
+from .call_log import log_call, log_refusal
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
 from .continuity import DerenderFailed, TokenContinuity
@@ -92,6 +92,14 @@ def json_error(
     headers: dict[str, str] | None = None,
 ) -> web.Response:
     return json_response(error_body(message, type_=type_, param=param, code=code), status, headers)
+
+
+def _error_code(response: web.Response) -> str:
+    """The ``error.code`` of an error answer the proxy made (``json_error``)."""
+    try:
+        return str(loads(response.body)["error"]["code"])  # type: ignore[arg-type]
+    except (ValueError, KeyError, TypeError):
+        return str(response.status)
 
 
 class _HarnessGone(Exception):
@@ -252,17 +260,31 @@ class CaptureProxy:
             response = await handler(request)
         except RequestError as exc:
             response = json_error(exc.status, exc.message, type_=exc.type, param=exc.param, code=exc.code)
+            self._refused(request, route, exc.status, exc.code or exc.type, exc.message)
         except web.HTTPException as exc:
             response = self._http_exception(request, exc)
+            self._refused(request, route, response.status, _error_code(response), exc.reason)
         except asyncio.CancelledError:
             self.metrics.requests.labels(route, str(HTTP_CLIENT_CLOSED)).inc()
             raise
         except Exception as exc:  # a bug in the proxy: answer in the same shape, keep serving
             log.exception("internal error on %s %s", request.method, request.path)
             response = json_error(500, f"internal proxy error: {type(exc).__name__}", type_="server_error")
+            self._refused(request, route, 500, "internal_error", f"{type(exc).__name__}: {exc}")
         self.metrics.requests.labels(route, str(response.status)).inc()
         self.metrics.latency.labels(route).observe(time.perf_counter() - start)
         return response
+
+    def _refused(self, request: web.Request, route: str, status: int, code: Any, message: str) -> None:
+        """A response the proxy made itself (no upstream answer, so no call record): counted by route, status
+        and code, and logged with its rollout, so a harness retrying a refused call shows up (issue 26: Claude
+        Code's tool_reference blocks were refused 3 times and nobody saw it)."""
+        code = str(code)
+        self.metrics.refused.labels(route, str(status), code).inc()
+        info = request.match_info
+        who = (f"{info['rollout_id']}/{info['attempt']}" if "rollout_id" in info
+               else f"{self.config.rollout_id}/{self.config.attempt}" if self.config.rollout_id is not None else "-")
+        log_refusal(who, route, status, code, message)
 
     @staticmethod
     def _http_exception(request: web.Request, exc: web.HTTPException) -> web.Response:
@@ -437,6 +459,7 @@ class CaptureProxy:
                     return await self._replayed(request, x)
                 return await (self._streamed(request, x) if body.get("stream") is True else self._unary(x))
         except PausedError as exc:
+            self._refused(request, route, 503, "paused", "paused for a weight sync")
             return json_error(
                 503,
                 "the proxy is paused for a weight sync; retry after the Retry-After delay",

@@ -8,6 +8,11 @@ attempt, its number in the attempt), how it ended (status, HTTP status), its tok
 
 A call stored without token arrays (observe mode, an error) shows the usage the server reported, marked
 ``(usage)``, so a log reader never takes a zero for what the model did.
+
+A request the proxy answers itself with an error (a refused field, a pause, an unknown route: no upstream
+answer, so no call) is logged on the same logger at WARNING, with its rollout and the error's code::
+
+    refused r-7/0 messages 400 invalid_request_error: 'messages[6].content[1]' is a image block ...
 """
 
 from __future__ import annotations
@@ -33,3 +38,8 @@ def log_call(record: CallRecord) -> None:
     log.info("call %s/%d #%d %s %s %d prompt %d completion %d tokens%s %.2f s", record.rollout_id,
              record.attempt, record.seq, record.route, record.status.value, record.http_status, prompt,
              completion, source, record.latency_s)
+
+
+def log_refusal(who: str, route: str, status: int, code: str, message: str) -> None:
+    """Log an error answer the proxy made itself (``who``: "rollout/attempt", or "-" when unattributed)."""
+    log.warning("refused %s %s %d %s: %s", who, route, status, code, message.splitlines()[0] if message else "")

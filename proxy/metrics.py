@@ -90,8 +90,9 @@ class ProxyMetrics:
         self.spool_bytes = Gauge(PREFIX + "spool_bytes", "Size of the spool file.", registry=r)
         self.write_errors = Counter(
             PREFIX + "write_errors",
-            "Write failures: outage (spooled, retried), rejected (kept aside), spool_full (held in memory) "
-            "or writer (the spool or its .rejected file could not be written, or a bug: held, retried).",
+            "Write failures: outage (spooled, retried), rejected (kept aside), spool_full (held in memory), "
+            "writer (the spool or its .rejected file could not be written, or a bug: held, retried) or nonstrict_json "
+            "(a call whose answer strict JSON cannot hold, stored with such values as text: strict_json.py).",
             ["kind"],
             registry=r,
         )
@@ -104,6 +105,12 @@ class ProxyMetrics:
         self.in_flight = Gauge(PREFIX + "in_flight", "LLM calls being served.", registry=r)
         self.policy_version = Gauge(
             PREFIX + "policy_version", "Policy version new calls are recorded with.", registry=r
+        )
+        self.refused = Counter(
+            PREFIX + "refused",
+            "Requests the proxy answered itself with an error (no call stored), by route, status and error code.",
+            ["route", "status", "code"],
+            registry=r,
         )
         self.continuity = Counter(
             PREFIX + "token_continuity",

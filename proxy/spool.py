@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .protocol import dumps, loads
+from .strict_json import lenient_loads
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Spool:
             try:
                 entry = loads(line)
             except ValueError:
-                entry = None
+                entry = lenient_loads(line)
             out.append((entry if isinstance(entry, dict) else None, line))
         return out
 

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -40,6 +40,7 @@ from harnessrl.store.records import CallRecord, CallStatus, RolloutState
 
 from .metrics import ProxyMetrics
 from .spool import Spool, SpoolFull
+from .strict_json import storable
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,15 @@ class CallItem:
             self.call = prepare_call(call)
         except ValueError:
             pass  # the writer hands it over as it is: the store refuses it with the reason (kept in .rejected)
+
+    def strict(self) -> CallItem | None:
+        """This call with what strict JSON cannot hold written as text (``strict_json.py``), or None when its
+        request and response are strict JSON already (the store refused it for another reason)."""
+        record = self.record
+        strict = replace(record, request=storable(record.request), response=storable(record.response))
+        if strict.request is record.request and strict.response is record.response:
+            return None
+        return CallItem(strict)
 
     @property
     def record(self) -> CallRecord:
@@ -540,7 +550,10 @@ class TraceWriter:
             if is_outage(exc):
                 raise _Outage(exc) from exc
             if len(items) == 1:
-                self._reject(items[0], raws[0], tickets[0], exc)
+                if not self._stored_strict(items[0]):
+                    self._reject(items[0], raws[0], tickets[0], exc)
+                else:
+                    self._done(tickets[0], None)
                 return
         else:
             for ticket in tickets:
@@ -553,9 +566,25 @@ class TraceWriter:
             except Exception as exc:
                 if is_outage(exc):
                     raise _Outage(exc) from exc
-                self._reject(item, raw, ticket, exc)
-            else:
-                self._done(ticket, None)
+                if not self._stored_strict(item):
+                    self._reject(item, raw, ticket, exc)
+                    continue
+            self._done(ticket, None)
+
+    def _stored_strict(self, item: Item) -> bool:
+        """Store a refused call again with what strict JSON cannot hold as text (``CallItem.strict``): the
+        harness got a 200 for it, so it must not be lost. False when that is no fix (or did not store)."""
+        strict = item.strict() if isinstance(item, CallItem) else None
+        if strict is None:
+            return False
+        try:
+            self._apply_once([strict])
+        except Exception as exc:
+            if is_outage(exc):
+                raise _Outage(exc) from exc
+            return False
+        self.metrics.write_errors.labels(kind="nonstrict_json").inc()
+        return True
 
     def _apply_once(self, items: list[Item]) -> None:
         first = items[0]
