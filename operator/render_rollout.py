@@ -23,7 +23,7 @@ from harnessrl.operator.render_common import (
     run_claims,
     spec_env,
 )
-from harnessrl.policy_serving import is_lora, lora_flags, served_model_name
+from harnessrl.policy_serving import continuity_flags, is_lora, lora_flags, served_model_name
 from harnessrl.spec.models import TrainingRun
 
 HF_CACHE = "/root/.cache/huggingface"
@@ -54,7 +54,7 @@ def vllm_args(run: TrainingRun) -> list[str]:
         args += ["--revision", spec.model.hub.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
-    return args + lora_flags(spec) + list(rollout.args)
+    return args + lora_flags(spec) + list(rollout.args) + continuity_flags(rollout.args)
 
 
 def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:

@@ -65,6 +65,7 @@ that found none) continues through ``/v1/completions``, whose text is then the r
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,8 @@ from .capture import Attribution, LastCall
 from .metrics import ProxyMetrics
 from .protocol import SSE_DONE, TOKEN_ID_PREFIX, ask_allowed, dumps, loads, sse_bytes
 from .upstreams import UpstreamPool, UpstreamUnavailable
+
+log = logging.getLogger(__name__)
 
 # Chat request fields that mean the same on /v1/completions (vLLM sampling parameters included).
 CARRIED = frozenset(
@@ -121,6 +124,16 @@ HANDLED = frozenset(
     }
 )
 
+
+# Fallbacks that come from how the server was started, not from the request: logged once, with the fix.
+CONFIGURATION_FIXES = {
+    "render_unavailable": "the server has no /v1/chat/completions/render (vLLM answers 403 without "
+    "--enable-scale-out), so calls its tool-call or reasoning parser must read are not continued and a rollout "
+    "splits into rows; start vLLM with --enable-scale-out (harnessrl run and the operator add it when "
+    "spec.rollout.args name --tool-call-parser or --reasoning-parser)",
+    "tokenize_unsupported": "the server has no /tokenize, so no call is continued and every rollout splits into "
+    "one row per call; token continuity needs a vLLM server (or turn it off: --no-token-continuity)",
+}
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
@@ -330,6 +343,7 @@ class TokenContinuity:
         self.metrics = metrics
         self._unsupported: set[str] = set()  # upstreams without /tokenize: never asked again
         self._no_render: set[str] = set()  # upstreams without the render endpoints: tool calls take chat
+        self._told: set[str] = set()  # configuration fallbacks already logged (once each)
 
     async def plan(
         self,
@@ -344,6 +358,12 @@ class TokenContinuity:
             plan = await self._plan(who, body, recent, model, sampling)
         except _Fallback as fb:
             self.metrics.continuity.labels(outcome=fb.reason).inc()
+            fix = CONFIGURATION_FIXES.get(fb.reason)
+            if fix is not None and fb.reason not in self._told:
+                self._told.add(fb.reason)
+                log.warning("token continuity falls back (%s) on every such call until the server is "
+                            "reconfigured: %s; counted in harnessrl_proxy_token_continuity_total{outcome=%r}",
+                            fb.reason, fix, fb.reason)
             return None
         self.metrics.continuity.labels(outcome="used").inc()
         return plan

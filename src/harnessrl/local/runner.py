@@ -38,7 +38,7 @@ from harnessrl.local.processes import ProcessBackend
 from harnessrl.local.report import progress_line, summarize, summary_table, write_reward_curve, write_run_file
 from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
-from harnessrl.policy_serving import SERVED_MODEL_NAME, is_lora, lora_flags, served_model_name
+from harnessrl.policy_serving import SERVED_MODEL_NAME, continuity_flags, is_lora, lora_flags, served_model_name
 from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.evaluation import evaluation_sampling
@@ -268,7 +268,8 @@ class LocalRun:
         print(f"starting vLLM on {serving} (log {self.run_dir / 'vllm.log'}) ...", flush=True)
         server: VllmServer = start_vllm(
             serving, self.run_dir / "vllm.log", served_name=served_model_name(self.spec),
-            max_model_len=self.spec.rollout.max_model_len, extra_args=lora_flags(self.spec) + self.spec.rollout.args,
+            max_model_len=self.spec.rollout.max_model_len,
+            extra_args=lora_flags(self.spec) + self.spec.rollout.args + continuity_flags(self.spec.rollout.args),
         )
         stack.callback(server.stop)
         self._vllm = server
