@@ -28,7 +28,7 @@ from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodApi, PodBackend, PodView
 from harnessrl.operator.render_secret import render_reward_secret
-from harnessrl.operator.status import Observed, epoch, now_iso
+from harnessrl.operator.status import Observed, epoch, now_iso, unavailable_since
 from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
 from harnessrl.policy_serving import is_lora
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
@@ -414,11 +414,11 @@ class RunController:
         # A LoRA policy is served once the learner loaded version 0's adapter: calls before would find no model.
         self.backend.suspended = spec.suspend or not observed.rollout_ready or (is_lora(spec) and serving is None)
         if not observed.rollout_ready:
-            waited = self.clock() - created
+            waited = self.clock() - unavailable_since(status, created, self.clock())
             if waited > self.config.provisioning_timeout_seconds:
                 raise RunProblem(
                     Reason.ROLLOUT_UNAVAILABLE,
-                    f"no vLLM replica served the model within "
+                    f"no vLLM replica served the model for "
                     f"{self.config.provisioning_timeout_seconds} s ({observed.rollout_message}) — "
                     f"check `kubectl describe deployment {self.name}-rollout` (image, GPUs, model "
                     "path)",

@@ -76,6 +76,22 @@ def _condition(
     }
 
 
+def unavailable_since(status: dict[str, Any], started: float, now: float) -> float:
+    """When the run's vLLM replicas stopped serving, from the status it already wrote (so an operator restart
+    keeps the count): never served yet (no RolloutReady condition, or not True since the start) counts from the
+    run's start, a replica that served until this pass from now, an outage already seen from its
+    RolloutReady transition. The provisioning timeout is measured from here, not from the run's start: a
+    replica restarted after hours of training gets the same time to come back as the first one had."""
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    ready = conditions.get(ConditionType.ROLLOUT_READY.value)
+    if ready is None:
+        return started
+    if ready.get("status") == "True":
+        return now
+    since = epoch(ready.get("lastTransitionTime"))
+    return max(started, since) if since is not None else started
+
+
 def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[str, Any]:
     """The ``status`` to write; ``previous`` is the object's current status (for transition times)."""
     previous = previous or {}
