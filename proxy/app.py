@@ -477,10 +477,13 @@ class CaptureProxy:
         if route != "responses" or not self.config.train or self.continuity is None:
             return None
         try:
-            return responses_api.chat_request(body)
+            chat = responses_api.chat_request(body)
         except responses_api.Untranslatable as exc:
             self.metrics.continuity.labels(outcome=exc.reason).inc()
             return None
+        for name in responses_api.dropped_fields(body):
+            self.metrics.dropped.labels(route, name).inc()
+        return chat
 
     async def _unary(self, x: Exchange) -> web.Response:
         try:

@@ -121,6 +121,7 @@ HANDLED = frozenset(
         "tools",
         "tool_choice",
         "parallel_tool_calls",
+        "reasoning_effort",
     }
 )
 
@@ -392,7 +393,7 @@ class TokenContinuity:
             raise _Fallback("not_an_extension")
         # The server's parsers must read the answer: its tool parser (a request with tools) or its reasoning
         # parser (seen at work in the parent's reply).
-        served = tools is not None or _reasoned(last.reply)
+        served = tools is not None or _reasoned(last.reply) or body.get("reasoning_effort") is not None
         if last.status is not CallStatus.OK or not last.completion_token_ids or not last.rendered_prompt:
             raise _Fallback("previous_call_incomplete")
         k = len(last.messages or ())
@@ -459,7 +460,7 @@ class TokenContinuity:
         room = max_model_len - len(prompt)
         if room < 1:
             raise _Fallback("prompt_too_long")
-        requested = body.get("max_tokens", body.get("max_completion_tokens"))
+        requested = chat.get("max_tokens", chat.get("max_completion_tokens"))  # the request's, or the run's override
         # The request's own limit, as given: the rendered parameters leave out a value equal to the server's
         # default (16), which then must not become "the rest of the context". Without one, the server sized
         # it for its own (shorter or longer) rendering: the room the continued prompt leaves.
@@ -546,7 +547,8 @@ class TokenContinuity:
         request.update(sampling)
         if model is not None:
             request["model"] = model
-        max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+        limits = {**body, **sampling}  # the request's limit, or the run's override
+        max_tokens = limits.get("max_tokens", limits.get("max_completion_tokens"))
         if max_tokens is None:  # chat's default is "up to the context limit"; completions' would be 16
             max_tokens = max_model_len - len(prompt)
             if max_tokens < 1:

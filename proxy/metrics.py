@@ -106,6 +106,13 @@ class ProxyMetrics:
         self.policy_version = Gauge(
             PREFIX + "policy_version", "Policy version new calls are recorded with.", registry=r
         )
+        self.dropped = Counter(
+            PREFIX + "dropped_fields",
+            "Request fields of calls served as chat completions that vLLM cannot honour and the proxy left out "
+            "(the model never sees them, so nothing stored or trained changes), by route and field.",
+            ["route", "field"],
+            registry=r,
+        )
         self.refused = Counter(
             PREFIX + "refused",
             "Requests the proxy answered itself with an error (no call stored), by route, status and error code.",

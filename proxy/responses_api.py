@@ -32,6 +32,7 @@ out again (``input_messages``/``output_messages`` null, log-prob lists empty, as
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -272,8 +273,28 @@ SAME_IN_CHAT = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "f
 TRANSLATED = frozenset(SAME_IN_CHAT) | {
     "model", "input", "instructions", "max_output_tokens", "tools", "tool_choice", "include", "top_logprobs",
     "stream", "stream_options", "store", "metadata", "service_tier", "truncation", "text", "reasoning",
-    "prompt_cache_key", "previous_response_id",
+    "prompt_cache_key", "previous_response_id", "client_metadata",
 }
+# What a Responses request may carry that vLLM cannot honour, and what the translation does with it (Codex CLI
+# sends all of them on every call, and its configuration cannot remove them). The rule: what the proxy sends
+# to vLLM is what is stored and trained, so a dropped field changes nothing the learner sees; each drop is
+# counted in harnessrl_proxy_dropped_fields_total{route="responses", field}.
+#   client_metadata      dropped: the client's ids (installation, session, turn), never shown to the model.
+#   reasoning.summary    dropped: vLLM writes no summaries; reasoning comes back as the parser's reasoning text.
+#   reasoning.effort     translated: chat's reasoning_effort (the chat template reads it, as on vLLM's route).
+#   include reasoning.encrypted_content (with store false)
+#                        translated: each reasoning item answered carries its text as ``encrypted_content``
+#                        (``ENCRYPTED_PREFIX`` + base64), which is read back when the harness resends the item;
+#                        encrypted content the proxy did not write is untranslatable (vLLM's own route).
+#   namespace tools      translated: each function of the namespace is a chat function named
+#                        ``<namespace>.<name>``, and a call of it is answered as a function_call with
+#                        ``namespace`` and ``name`` (and read back the same way).
+#   web_search tools     dropped: a hosted tool the server cannot run; the model is not told of it.
+# Other hosted tools (file_search, code_interpreter, ...) and other include values stay untranslatable.
+DROPPED_TOOLS = frozenset({"web_search", "web_search_preview", "web_search_2025_08_26"})
+ENCRYPTED_INCLUDE = "reasoning.encrypted_content"
+ENCRYPTED_PREFIX = "harnessrl-reasoning-v1:"
+NAMESPACE_SEPARATOR = "."
 
 
 class Untranslatable(Exception):
@@ -317,8 +338,11 @@ def chat_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
         prev = out[-1] if out and out[-1].get("role") == "assistant" else None
         if kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
-            if not all(isinstance(v, str) for v in (name, arguments, call_id)) or item.get("namespace"):
+            namespace = item.get("namespace")
+            if not all(isinstance(v, str) for v in (name, arguments, call_id)) or not isinstance(namespace, (str, type(None))):
                 raise Untranslatable("responses_input_item")
+            if namespace:
+                name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             if prev is not None:
                 prev.setdefault("tool_calls", []).append(call)
@@ -335,32 +359,87 @@ def chat_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
                 prev["content"] = text
             else:
                 out.append({"role": role, "content": text})
-        elif kind == "reasoning" and not item.get("encrypted_content"):
-            parts = item.get("content") or item.get("summary") or [{}]  # vLLM reads the first part
-            text = parts[0].get("text") if isinstance(parts, list) and isinstance(parts[0], dict) else None
+        elif kind == "reasoning":
+            encrypted = item.get("encrypted_content")
+            if encrypted:
+                text = _decrypted(encrypted)
+            else:
+                parts = item.get("content") or item.get("summary") or [{}]  # vLLM reads the first part
+                text = parts[0].get("text") if isinstance(parts, list) and isinstance(parts[0], dict) else None
             if not isinstance(text, str):
                 raise Untranslatable("responses_input_item")
             if prev is not None and prev.get("reasoning") is None:
                 prev["reasoning"] = text
             else:
                 out.append({"role": "assistant", "content": None, "reasoning": text})
-        else:  # encrypted reasoning, images, built-in tools' items...: served by vLLM's own route
+        else:  # images, built-in tools' items...: served by vLLM's own route
             raise Untranslatable("responses_input_item")
     return out
 
 
-def _chat_tool(tool: Any) -> dict[str, Any]:
+def _encrypted(text: str) -> str:
+    """The ``encrypted_content`` of a reasoning item the proxy answers: its text, readable again by
+    ``_decrypted`` (the proxy keeps no responses, so the item must carry what the next call needs)."""
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def _decrypted(encrypted: Any) -> str:
+    """The reasoning text of ``encrypted_content`` the proxy wrote; untranslatable for any other."""
+    if not isinstance(encrypted, str) or not encrypted.startswith(ENCRYPTED_PREFIX):
+        raise Untranslatable("responses_input_item")
+    try:
+        return base64.b64decode(encrypted.removeprefix(ENCRYPTED_PREFIX), validate=True).decode()
+    except ValueError:
+        raise Untranslatable("responses_input_item") from None
+
+
+def _chat_function(tool: Any, namespace: str | None = None) -> dict[str, Any]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("name"), str):
         raise Untranslatable("responses_tool")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    if namespace is not None:
+        function["name"] = f"{namespace}{NAMESPACE_SEPARATOR}{function['name']}"
     return {"type": "function", "function": function}
+
+
+def _chat_tools(tools: list[Any]) -> list[dict[str, Any]]:
+    """The request's tools as chat functions: namespaces flattened, hosted web search left out."""
+    out = []
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind in DROPPED_TOOLS:
+            continue
+        if kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+            out += [_chat_function(inner, tool["name"]) for inner in tool["tools"]]
+        else:
+            out.append(_chat_function(tool))
+    return out
+
+
+def _namespaces(body: Mapping[str, Any]) -> frozenset[str]:
+    tools = body.get("tools")
+    return frozenset(t["name"] for t in tools if isinstance(t, dict) and t.get("type") == "namespace"
+                     and isinstance(t.get("name"), str)) if isinstance(tools, list) else frozenset()
+
+
+def dropped_fields(body: Mapping[str, Any]) -> list[str]:
+    """What of a translatable request does not reach vLLM (see ``DROPPED_TOOLS`` and the table above it)."""
+    out = ["client_metadata"] if body.get("client_metadata") is not None else []
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, dict) and reasoning.get("summary") is not None:
+        out.append("reasoning.summary")
+    tools = body.get("tools")
+    out += [f"tools.{t['type']}" for t in tools or [] if isinstance(t, dict) and t.get("type") in DROPPED_TOOLS]
+    return out
 
 
 def _chat_tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        namespace = choice.get("namespace")
+        name = f"{namespace}{NAMESPACE_SEPARATOR}{choice['name']}" if isinstance(namespace, str) else choice["name"]
+        return {"type": "function", "function": {"name": name}}
     raise Untranslatable("responses_tool_choice")
 
 
@@ -378,21 +457,26 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
         )
     if set(body) - TRANSLATED:
         raise Untranslatable("responses_unsupported_field")
-    if body.get("reasoning") is not None:
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, dict)
+                                  or set(reasoning) - {"effort", "summary", "generate_summary"}):
         raise Untranslatable("responses_reasoning")
     text = body.get("text")
     if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}) != {"type": "text"}):
         raise Untranslatable("responses_structured_output")
     include = body.get("include") or []
-    if any(name != LOGPROBS_INCLUDE for name in include) or body.get("truncation") not in (None, "disabled"):
+    if any(name not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE) for name in include) or body.get("truncation") not in (
+            None, "disabled"):
         raise Untranslatable("responses_unsupported_field")
     out: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body.get("instructions"), body["input"])}
     if body.get("max_output_tokens") is not None:
         out["max_tokens"] = body["max_output_tokens"]
     out.update((name, body[name]) for name in SAME_IN_CHAT if body.get(name) is not None)
-    tools = body.get("tools")
+    if reasoning and reasoning.get("effort") is not None:
+        out["reasoning_effort"] = reasoning["effort"]
+    tools = _chat_tools(body.get("tools") or [])
     if tools:
-        out["tools"] = [_chat_tool(tool) for tool in tools]
+        out["tools"] = tools
         if body.get("tool_choice") is not None:
             out["tool_choice"] = _chat_tool_choice(body["tool_choice"])
     if LOGPROBS_INCLUDE in include:
@@ -434,18 +518,26 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     output: list[dict[str, Any]] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
-        output.append({"id": f"rs_{suffix}", "type": "reasoning", "summary": [], "status": None,
-                       "content": [{"type": "reasoning_text", "text": reasoning}]})
+        item = {"id": f"rs_{suffix}", "type": "reasoning", "summary": [], "status": None,
+                "content": [{"type": "reasoning_text", "text": reasoning}]}
+        if ENCRYPTED_INCLUDE in (body.get("include") or []):
+            item["encrypted_content"] = _encrypted(reasoning)
+        output.append(item)
     calls = message.get("tool_calls") or []
     if message.get("content") or not calls:
         text = message.get("content") or ""
         parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": _response_logprobs(choice)}]
         output.append({"id": f"msg_{suffix}", "type": "message", "role": "assistant", "status": "completed",
                        "content": parts if text else []})
+    namespaces = _namespaces(body)
     for i, call in enumerate(calls):
         fn = call.get("function") or {}
-        output.append({"id": f"fc_{suffix}_{i}", "type": "function_call", "status": "completed",
-                       "call_id": call.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments")})
+        item = {"id": f"fc_{suffix}_{i}", "type": "function_call", "status": "completed",
+                "call_id": call.get("id"), "name": fn.get("name"), "arguments": fn.get("arguments")}
+        namespace, _, name = str(fn.get("name")).partition(NAMESPACE_SEPARATOR)
+        if name and namespace in namespaces:
+            item.update(namespace=namespace, name=name)
+        output.append(item)
     incomplete = choice.get("finish_reason") == "length"
     usage = chat.get("usage") or {}
     prompt_tokens, completion_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)

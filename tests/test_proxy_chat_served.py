@@ -60,20 +60,51 @@ def test_responses_items_translate_as_vllm_builds_them():
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,"}]}]},
          "responses_input_item"),
         ({"input": [{"type": "reasoning", "id": "rs_1", "summary": []}]}, "responses_input_item"),
-        ({"input": "hi", "tools": [{"type": "web_search"}]}, "responses_tool"),
+        ({"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": ["v"]}]}, "responses_tool"),
         ({"input": "hi", "tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "allowed_tools"}},
          "responses_tool_choice"),
         ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
          "responses_structured_output"),
-        ({"input": "hi", "reasoning": {"effort": "low"}}, "responses_reasoning"),
+        ({"input": "hi", "reasoning": {"effort": "low", "budget": 9}}, "responses_reasoning"),
         ({"input": "hi", "enable_response_messages": True}, "responses_unsupported_field"),
-        ({"input": "hi", "include": ["reasoning.encrypted_content"]}, "responses_unsupported_field"),
+        ({"input": "hi", "include": ["file_search_call.results"]}, "responses_unsupported_field"),
+        ({"input": [{"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAAB-openai"}]},
+         "responses_input_item"),
     ],
 )  # fmt: skip
 def test_untranslatable_responses_calls_name_their_reason(body, reason):
     with pytest.raises(Untranslatable) as caught:
         responses_api.chat_request(body)
     assert caught.value.reason == reason
+
+
+def test_codex_requests_translate_and_say_what_was_dropped():
+    """What Codex CLI sends on every call (client_metadata, reasoning {summary}, encrypted reasoning with store
+    false, a namespace of functions, a hosted web_search): translated, the drops named; its answers (a
+    namespaced call, reasoning with encrypted content) read back into the same chat messages when resent."""
+    spawn = {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}, "strict": False}
+    body = {"model": "m", "input": [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go"}]}],
+            "stream": True, "store": False, "tool_choice": "auto", "parallel_tool_calls": True,
+            "reasoning": {"summary": "auto", "effort": "high"}, "include": ["reasoning.encrypted_content"],
+            "prompt_cache_key": "k", "client_metadata": {"session_id": "s"},
+            "tools": [{"type": "function", "name": "view_image", "parameters": {"type": "object"}},
+                      {"type": "namespace", "name": "multi_agent_v1", "description": "agents", "tools": [spawn]},
+                      {"type": "web_search", "external_web_access": False}]}
+    chat = responses_api.chat_request(body)
+    assert [t["function"]["name"] for t in chat["tools"]] == ["view_image", "multi_agent_v1.spawn_agent"]
+    assert chat["reasoning_effort"] == "high" and "client_metadata" not in chat
+    assert responses_api.dropped_fields(body) == ["client_metadata", "reasoning.summary", "tools.web_search"]
+    answer = {"id": "chatcmpl-x", "model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": None, "reasoning": "think first", "tool_calls": [{"id": "c1", "type": "function",
+        "function": {"name": "multi_agent_v1.spawn_agent", "arguments": "{}"}}]}}]}
+    out = responses_api.from_chat(body, answer)["output"]
+    assert out[0]["type"] == "reasoning" and out[0]["encrypted_content"].startswith("harnessrl-reasoning-v1:")
+    assert (out[1]["namespace"], out[1]["name"]) == ("multi_agent_v1", "spawn_agent")
+    # Codex resends the reasoning item without its text (store false: only the encrypted content)
+    resent = [{**out[0], "content": None}, out[1]]
+    assert responses_api.chat_messages(None, resent) == [{"role": "assistant", "content": None, "reasoning": "think first",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "multi_agent_v1.spawn_agent", "arguments": "{}"}}]}]
+    assert responses_api.chat_reply({"output": out}) == responses_api.chat_messages(None, resent)[0]
 
 
 def test_previous_response_id_is_a_400_naming_it():

@@ -594,19 +594,21 @@ def test_a_call_the_store_would_refuse_is_queued_as_captured(sqlite_store: Trace
 
 
 @pytest.mark.parametrize(
-    ("body", "rendered", "expected"),
+    ("body", "forced", "rendered", "expected"),
     [
-        ({"max_tokens": 16}, {}, 16),  # vLLM's render leaves out a limit equal to its default
-        ({"max_completion_tokens": 40}, {"max_tokens": 40}, 40),
-        ({}, {"max_tokens": 7000}, 90),  # sized by the server for its own rendering: the room left here
+        ({"max_tokens": 16}, {}, {}, 16),  # vLLM's render leaves out a limit equal to its default
+        ({"max_completion_tokens": 40}, {}, {"max_tokens": 40}, 40),
+        ({}, {}, {"max_tokens": 7000}, 90),  # sized by the server for its own rendering: the room left here
+        ({"max_tokens": 16}, {"max_tokens": 8}, {"max_tokens": 8}, 8),  # the run's sampling override
     ],
 )
-def test_a_served_continuation_keeps_the_requests_own_token_limit(body, rendered, expected) -> None:
+def test_a_served_continuation_keeps_the_requests_own_token_limit(body, forced, rendered, expected) -> None:
     from types import SimpleNamespace
 
     from harnessrl.proxy.continuity import TokenContinuity
 
+    chat = {**body, **forced}  # what the server rendered: the request with the run's sampling
     plan = TokenContinuity._served(
-        SimpleNamespace(), body, {}, {"sampling_params": rendered}, list(range(10)), [0, 1], 100, "r"
+        SimpleNamespace(), body, chat, {"sampling_params": rendered}, list(range(10)), [0, 1], 100, "r"
     )
     assert plan.request["sampling_params"]["max_tokens"] == expected
