@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -487,36 +486,34 @@ class TokenContinuity:
         arguments (parsers without structural tags take the text as the arguments) were no JSON, and a
         ``required`` call's JSON array did not parse (no tool call, ``content: []``). So derender is given the
         tokens without the stop token (``decoded_tokens``), an answer that is nothing but the stop token is the
-        empty message the chat route answers, a stop string cuts the content where the engine cuts its text,
+        empty message the chat route answers (derender refuses no tokens: it decodes the stop token, whose text
+        is then dropped), a stop string cuts the content where the engine cuts its text,
         and the answer keeps every generated token and log-prob as sampled, with the prompt's length as usage
         (derender counts 0 prompt tokens unless told).
         """
         keep_stop = chat.get("include_stop_str_in_output") is True
-        sent = {**data, "choices": [{**c, "token_ids": decoded_tokens(c, keep_stop)}
-                                    for c in data.get("choices") or [] if isinstance(c, dict)]}
-        decodable = [c for c in sent["choices"] if c["token_ids"]]
-        out: Any = {"id": data.get("request_id"), "object": "chat.completion", "created": int(time.time()),
-                    "model": chat.get("model"), "choices": []}
-        if decodable:
-            sent["choices"] = decodable
-            payload = {"generate_response": sent, "chat_request": chat, "prompt_token_ids": prompt,
-                       "prompt_tokens": len(prompt)}
-            try:
-                answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
-                out = loads(answer.body) if answer.status == 200 else None
-            except (UpstreamUnavailable, ValueError):
-                out = None
+        sources = [c for c in data.get("choices") or [] if isinstance(c, dict)]
+        decoded = {c.get("index", 0): decoded_tokens(c, keep_stop) for c in sources}
+        # derender refuses an empty list: a stop token alone is sent whole and its text dropped below
+        sent = {**data, "choices": [{**c, "token_ids": decoded[c.get("index", 0)] or c.get("token_ids")} for c in sources]}
+        payload = {"generate_response": sent, "chat_request": chat, "prompt_token_ids": prompt,
+                   "prompt_tokens": len(prompt)}
+        try:
+            answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
+            out = loads(answer.body) if answer.status == 200 else None
+        except (UpstreamUnavailable, ValueError):
+            out = None
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderFailed(f"the upstream's {DERENDER_PATH} did not answer a chat completion")
         derendered = {c.get("index", 0): c for c in out["choices"] if isinstance(c, dict)}
         choices = []
-        for source in data.get("choices") or []:
-            if not isinstance(source, dict):
-                continue
+        for source in sources:
             index = source.get("index", 0)
-            choice = derendered.get(index) or {
-                "index": index, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": source.get("finish_reason"), "stop_reason": source.get("stop_reason")}
+            choice = derendered.get(index)
+            if choice is None:
+                raise DerenderFailed(f"the upstream's {DERENDER_PATH} left out choice {index}")
+            if not decoded[index]:  # the stop token alone: the chat route's engine answers no text
+                choice["message"] = {"role": "assistant", "content": ""}
             choice["token_ids"] = source.get("token_ids")
             if chat.get("return_tokens_as_token_ids") and isinstance(source.get("logprobs"), dict):
                 choice["logprobs"] = _token_id_logprobs(source["logprobs"])

@@ -116,3 +116,7 @@ def test_a_continued_chat_answer_holds_no_stop_token_text(captured):
     assert continuity(proxy.url, "used") - used == 1
     assert second.choices[0].message.content == "" and second.choices[0].finish_reason == "stop"
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    proxy.flush(60)
+    calls = store.read_calls("chat-stop", 0)
+    assert [(c.status, len(c.completion_token_ids), len(c.logprobs)) for c in calls] == [(CallStatus.OK, 1, 1)] * 2
+    assert second.usage.prompt_tokens == len(calls[1].prompt_token_ids)
