@@ -1,4 +1,4 @@
-"""``scripts/kube.sh build|up|down|env|status``: the test control plane for people.
+"""``scripts/kube.sh build|up|down|env|status|images``: the test control plane for people.
 
 ``up`` starts a cluster that outlives the command, recorded in ``HARNESSRL_KUBE_DIR`` (default
 ``/tmp/harnessrl-kube``); ``env`` prints the shell lines that point kubectl at it; ``down`` stops it by PID.
@@ -15,6 +15,7 @@ import click
 
 from harnessrl.devcluster.build import BuildError, ensure_binaries, ensure_node_binaries
 from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
+from harnessrl.devcluster.images import ImageError, ensure_images, import_images
 from harnessrl.devcluster.node import NodeError, preflight
 
 
@@ -73,6 +74,22 @@ def up(nodes: int | None, port: int | None, real_node: bool) -> None:
 
 
 @main.command()
+@click.argument("names", nargs=-1)
+def images(names: tuple[str, ...]) -> None:
+    """Build the images the chart and operator run (all, or NAMES) from images/ with podman, cached by their
+    inputs under ~/.cache/harnessrl/images; with a real node up, import them into its containerd."""
+    built = ensure_images(names or None, _say)
+    for item in built:
+        took = f"built in {item.seconds:.0f} s" if item.seconds else "cached"
+        click.echo(f"{item.image.ref}: {item.size_bytes / 2**20:.0f} MiB ({took})")
+    directory = _dir()
+    if (directory / "cluster.json").exists():
+        cluster = Cluster.load(directory)
+        if cluster.node and cluster.running().get("containerd"):
+            import_images(built, Path(cluster.node["run"]) / "containerd.sock", _say)
+
+
+@main.command()
 def down() -> None:
     """Stop every process of the cluster by PID and remove its files (a real node: its pods, mounts, network
     namespaces, bridge and iptables chains too)."""
@@ -107,7 +124,7 @@ def status() -> None:
 if __name__ == "__main__":
     try:
         main(standalone_mode=False)
-    except (BuildError, ClusterError, NodeError) as exc:
+    except (BuildError, ClusterError, NodeError, ImageError) as exc:
         _say(str(exc))
         sys.exit(1)
     except click.ClickException as exc:

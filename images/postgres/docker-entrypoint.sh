@@ -1,0 +1,25 @@
+#!/bin/sh
+# Initialise an empty PGDATA from POSTGRES_USER / POSTGRES_PASSWORD / POSTGRES_DB, then run postgres, as the
+# official image's entrypoint does for the settings the harnessrl chart uses.
+set -eu
+if [ "${1#-}" != "$1" ]; then set -- postgres "$@"; fi
+if [ "$1" = postgres ] && [ ! -s "$PGDATA/PG_VERSION" ]; then
+  : "${POSTGRES_PASSWORD:?POSTGRES_PASSWORD must be set: the database listens on the network}"
+  user="${POSTGRES_USER:-postgres}"
+  mkdir -p "$PGDATA" && chmod 700 "$PGDATA"
+  pwfile=$(mktemp)
+  printf '%s' "$POSTGRES_PASSWORD" > "$pwfile"
+  initdb -D "$PGDATA" -U "$user" --pwfile="$pwfile" --auth-local=trust --auth-host=scram-sha-256 >/dev/null
+  rm -f "$pwfile"
+  echo "listen_addresses = '*'" >> "$PGDATA/postgresql.conf"
+  echo "host all all all scram-sha-256" >> "$PGDATA/pg_hba.conf"
+  db="${POSTGRES_DB:-$user}"
+  if [ "$db" != postgres ]; then
+    pg_ctl -D "$PGDATA" -o "-c listen_addresses=''" -w start >/dev/null
+    psql -v ON_ERROR_STOP=1 -U "$user" -d postgres -c "CREATE DATABASE \"$db\"" >/dev/null
+    pg_ctl -D "$PGDATA" -m fast -w stop >/dev/null
+  fi
+  echo "docker-entrypoint: initialised $PGDATA (database $db, user $user)"
+fi
+if [ "$1" = postgres ]; then shift; exec postgres -D "$PGDATA" "$@"; fi
+exec "$@"
