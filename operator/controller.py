@@ -334,11 +334,32 @@ class RunController:
         except ValueError as error:  # the renderers name the field and the fix
             raise RunProblem(Reason.INVALID_SPEC, str(error)) from None
         for child in children:
-            self.apis.apply(child)
+            self._apply(child)
         if self.run.spec.harness.verifier is not None:
             token = secrets.token_urlsafe(32)
             self.apis.create_once(render_reward_secret(self.run, self.namespace, self.uid, token))
         self.applied_generation = generation
+
+    def _apply(self, child: dict[str, Any]) -> None:
+        """Apply one child; an object the API server refuses as invalid (422) is the spec's problem: fields
+        such as ``scheduling.affinity`` are copied as written, and only the server checks their shape."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self.apis.apply(child)
+        except ApiException as exc:
+            if exc.status != 422:
+                raise
+            try:
+                said = json.loads(exc.body).get("message") or exc.body
+            except (TypeError, ValueError):
+                said = exc.body or exc.reason
+            raise RunProblem(
+                Reason.INVALID_SPEC,
+                f"the API server refused {child['kind']} {child['metadata']['name']}: {said} — fix the spec "
+                "field it names (spec.rollout, spec.learner or spec.harness; scheduling.affinity is copied as "
+                "written)",
+            ) from None
 
     def _observe_workloads(self, observed: Observed) -> None:
         loads = self.workloads()
@@ -369,10 +390,14 @@ class RunController:
                 f"({failed.get('reason')}: {failed.get('message')}) — see `kubectl logs "
                 f"job/{self.name}-learner`",
             )
-        active = int(job_status.get("active") or 0) + int(job_status.get("ready") or 0)
-        observed.learner_ready = loads.job is not None and active > 0
+        # Ready, not active: a Pending pod is active. The learner has no readiness probe, so a ready pod is one
+        # whose containers run.
+        ready = int(job_status.get("ready") or 0)
+        observed.learner_ready = loads.job is not None and ready > 0
         observed.learner_message = (
-            f"{active} learner pod(s) running" if loads.job else "the learner Job is being created"
+            f"{ready}/{self.run.spec.learner.nodes} learner pods running"
+            if loads.job
+            else "the learner Job is being created"
         )
         observed.learner_problem = workload_problem(loads.pods, naming.LEARNER) if loads.job else None
         if observed.learner_problem is not None:

@@ -7,6 +7,7 @@ path, accelerators next to user-given resources).
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from urllib.parse import urlsplit
 from harnessrl.operator import naming
 from harnessrl.policy_serving import SERVED_MODEL_NAME  # noqa: F401 - re-exported for the renderers
 from harnessrl.replica_targets import dns_target
-from harnessrl.spec.kube import EnvVar, Resources, Volume
+from harnessrl.spec.kube import EnvVar, Resources, Scheduling, Volume
 from harnessrl.spec.models import TrainingRun
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -77,6 +78,27 @@ def container_resources(resources: Resources, gpus: int) -> dict[str, Any]:
         out["requests"] = dict(sorted(requests.items()))
     if limits:
         out["limits"] = dict(sorted(limits.items()))
+    return out
+
+
+def pod_scheduling(scheduling: Scheduling) -> dict[str, Any]:
+    """The pod-spec fields of a component's ``scheduling`` (vLLM, learner and harness pods alike), only those
+    set, so an unset field leaves the cluster's defaults (and the rendered object) as they were."""
+    out: dict[str, Any] = {}
+    if scheduling.node_selector:
+        out["nodeSelector"] = dict(sorted(scheduling.node_selector.items()))
+    if scheduling.tolerations:
+        out["tolerations"] = [
+            t.model_dump(mode="json", by_alias=True, exclude_none=True) for t in scheduling.tolerations
+        ]
+    if scheduling.affinity:
+        out["affinity"] = copy.deepcopy(scheduling.affinity)
+    if scheduling.priority_class_name:
+        out["priorityClassName"] = scheduling.priority_class_name
+    if scheduling.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": ref.name} for ref in scheduling.image_pull_secrets]
+    if scheduling.service_account_name:
+        out["serviceAccountName"] = scheduling.service_account_name
     return out
 
 

@@ -27,6 +27,7 @@ from harnessrl.operator.render_common import (
     env,
     env_from_field,
     merge_env,
+    pod_scheduling,
     replica_targets,
     restricted_security,
     spec_env,
@@ -324,4 +325,5 @@ def render_harness_pod(
     runtime_class = run.spec.harness.sandbox.runtime_class_name
     if runtime_class:
         pod_spec["runtimeClassName"] = runtime_class
+    pod_spec.update(pod_scheduling(run.spec.harness.scheduling))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": pod_spec}

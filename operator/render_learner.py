@@ -21,6 +21,7 @@ from harnessrl.operator.render_common import (
     env,
     env_from_field,
     env_from_secret,
+    pod_scheduling,
     replica_targets,
     run_claims,
 )
@@ -185,6 +186,7 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
                     "initContainers": init_containers,
                     "containers": [container],
                     "volumes": volumes,
+                    **pod_scheduling(learner.scheduling),
                 },
             },
         },

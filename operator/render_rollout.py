@@ -20,6 +20,7 @@ from harnessrl.operator.render_common import (
     env,
     env_from_secret,
     merge_env,
+    pod_scheduling,
     run_claims,
     spec_env,
 )
@@ -138,6 +139,7 @@ def render_rollout_deployment(
         "volumes": rollout_volumes(run),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        **pod_scheduling(run.spec.rollout.scheduling),
     }
     return {
         "apiVersion": "apps/v1",

@@ -50,20 +50,16 @@ def summarize_workload_pod(body: dict[str, Any]) -> WorkloadPod | None:
 
 # What to change, per component and problem.
 _FIXES = {
-    (ROLLOUT, "Unschedulable"): "lower spec.rollout.gpusPerReplica or spec.rollout.resources, or add nodes "
-    "that have them",
-    (
-        LEARNER,
-        "Unschedulable",
-    ): "lower spec.learner.gpusPerNode, spec.learner.nodes or spec.learner.resources, "
-    "or add nodes that have them",
-    (ROLLOUT, "image"): "fix spec.rollout.image, or give the namespace's default ServiceAccount an "
-    "imagePullSecret",
-    (
-        LEARNER,
-        "image",
-    ): "fix spec.learner.image (default: the operator's HARNESSRL_OPERATOR_LEARNER_IMAGE), or "
-    "give the namespace's default ServiceAccount an imagePullSecret",
+    (ROLLOUT, "Unschedulable"): "lower spec.rollout.gpusPerReplica or spec.rollout.resources, let "
+    "spec.rollout.scheduling (nodeSelector, tolerations, affinity) match nodes that have them, or add such "
+    "nodes",
+    (LEARNER, "Unschedulable"): "lower spec.learner.gpusPerNode, spec.learner.nodes or "
+    "spec.learner.resources, let spec.learner.scheduling (nodeSelector, tolerations, affinity) match nodes "
+    "that have them, or add such nodes",
+    (ROLLOUT, "image"): "fix spec.rollout.image, or name a pull secret in "
+    "spec.rollout.scheduling.imagePullSecrets",
+    (LEARNER, "image"): "fix spec.learner.image (default: the operator's HARNESSRL_OPERATOR_LEARNER_IMAGE), "
+    "or name a pull secret in spec.learner.scheduling.imagePullSecrets",
     (ROLLOUT, "claim"): "create the PersistentVolumeClaim, or fix spec.model.volume",
     (LEARNER, "claim"): "create the PersistentVolumeClaim, or fix spec.learner.checkpointVolume or "
     "spec.model.volume",

@@ -219,6 +219,7 @@ FIXED_CHANGES: dict[str, dict[str, Any]] = {
     "spec.harness.tasks": {"harness": {"tasks": {"inline": [{"id": "t2"}]}}},
     "spec.proxy": {"proxy": {"port": 8081}},
     "spec.learner": {"learner": {"steps": 7}},
+    "spec.rollout.scheduling": {"rollout": {"scheduling": {"priorityClassName": "high"}}},
     "spec.weightSync": {"weightSync": {"retries": 5}},
     "spec.store": {"store": {"sqlite": {"path": "other.sqlite"}}},
 }
@@ -227,6 +228,9 @@ CHANGEABLE_CHANGES: dict[str, dict[str, Any]] = {
     "spec.harness.concurrency": {"harness": {"concurrency": 2}},
     "spec.harness.timeoutSeconds": {"harness": {"timeoutSeconds": 60}},
     "spec.harness.maxAttempts": {"harness": {"maxAttempts": 4}},
+    "spec.harness.scheduling": {
+        "harness": {"scheduling": {"nodeSelector": {"pool": "cpu"}, "tolerations": [], "imagePullSecrets": []}}
+    },
     "spec.suspend": {"suspend": True},
     "spec.activeDeadlineSeconds": {"activeDeadlineSeconds": 3600},
     "spec.ttlSecondsAfterFinished": {"ttlSecondsAfterFinished": 60},

@@ -124,8 +124,8 @@ VARIANTS: dict[str, Callable[[], TrainingRun]] = {
     "cpu-no-policy": lambda: variant(
         CLUSTER,
         lambda s: (
-            s["rollout"].update(gpusPerReplica=0, tensorParallel=1),
-            s["learner"].update(gpusPerNode=0, nodes=1),
+            s["rollout"].update(gpusPerReplica=0, tensorParallel=1, scheduling={}),
+            s["learner"].update(gpusPerNode=0, nodes=1, scheduling={}),
             s["harness"]["sandbox"].update(networkPolicy="none", egress=[]),
         ),
     ),
@@ -185,7 +185,7 @@ def test_objects_pass_kubernetes_validate(name: str, version: str) -> None:
 
 def test_api_server_accepts_every_object(kube: Cluster, kube_namespace: str) -> None:
     """Server-side dry run of everything rendered (the owner uid need not exist for that); the
-    RuntimeClass the cluster example names must exist, or admission refuses its pods."""
+    RuntimeClass and PriorityClass the cluster example names must exist, or admission refuses its pods."""
     runtime_class = {
         "apiVersion": "node.k8s.io/v1",
         "kind": "RuntimeClass",
@@ -193,6 +193,13 @@ def test_api_server_accepts_every_object(kube: Cluster, kube_namespace: str) -> 
         "handler": "runsc",
     }
     kube.kubectl("apply", "-f", "-", input=json.dumps(runtime_class))
+    priority_class = {
+        "apiVersion": "scheduling.k8s.io/v1",
+        "kind": "PriorityClass",
+        "metadata": {"name": "gpu-training"},
+        "value": 1000,
+    }
+    kube.kubectl("apply", "-f", "-", input=json.dumps(priority_class))
     for name, run in sorted(all_runs().items()):
         objects = render_all(run, namespace=kube_namespace)
         listing = {"apiVersion": "v1", "kind": "List", "items": objects}
@@ -650,3 +657,44 @@ def test_network_policy_proxy_only_with_literal_addresses() -> None:
         "ports": [{"protocol": "TCP", "port": 6543}],
     } in egress
     assert not any("ipBlock" in str(rule) and "10.20" in str(rule) for rule in egress)
+
+
+# --- scheduling ------------------------------------------------------------------------------------------------
+
+
+def test_each_components_scheduling_reaches_its_pods_and_only_its_pods() -> None:
+    """spec.<component>.scheduling lands in that component's pod spec, spelled as Kubernetes spells it; a
+    component without one renders none of the fields (the cluster's defaults apply)."""
+    tolerate = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+    run = variant(
+        MINIMAL,
+        lambda s: (
+            s.setdefault("rollout", {}).update(scheduling={"tolerations": tolerate, "priorityClassName": "hi"}),
+            s.setdefault("learner", {}).update(
+                scheduling={"affinity": affinity, "serviceAccountName": "trainer", 
+                            "nodeSelector": {"b": "2", "a": "1"}}
+            ),
+            s["harness"].update(scheduling={"imagePullSecrets": [{"name": "regcred"}]}),
+        ),
+    )
+    objects = render_all(run)
+    rollout = by_kind(objects, "Deployment")["spec"]["template"]["spec"]
+    learner = by_kind(objects, "Job")["spec"]["template"]["spec"]
+    harness = by_kind(objects, "Pod")["spec"]
+    assert rollout["tolerations"] == tolerate and rollout["priorityClassName"] == "hi"
+    assert learner["affinity"] == affinity and learner["serviceAccountName"] == "trainer"
+    assert list(learner["nodeSelector"].items()) == [("a", "1"), ("b", "2")]
+    assert harness["imagePullSecrets"] == [{"name": "regcred"}]
+    fields = {"nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"}
+    fields.add("serviceAccountName")
+    assert fields & set(rollout) == {"tolerations", "priorityClassName"}
+    assert fields & set(learner) == {"affinity", "serviceAccountName", "nodeSelector"}
+    assert fields & set(harness) == {"imagePullSecrets"}
+    for pod in (rollout, learner, harness):  # no harnessrl pod calls the API, whatever account it runs as
+        assert pod["automountServiceAccountToken"] is False
+    plain = render_all(parse_training_run(MINIMAL))
+    for obj in plain:
+        pod = obj["spec"]["template"]["spec"] if obj["kind"] in ("Deployment", "Job") else obj.get("spec", {})
+        assert not fields & set(pod), obj["kind"]

@@ -355,6 +355,29 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
         "samplesPerTask is 4 but temperature is 0 (greedy)",
     ),
     (
+        "Toleration:value",
+        spec({"rollout": {"scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}}}),
+        spec({"rollout": {"scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}}}),
+        "spec.rollout.scheduling.tolerations[0].value",
+        "operator Exists takes no value",
+    ),
+    (
+        "Toleration:operator",
+        spec({"learner": {"scheduling": {"tolerations": [{"operator": "Exists"}]}}}),
+        spec({"learner": {"scheduling": {"tolerations": [{"value": "x"}]}}}),
+        "spec.learner.scheduling.tolerations[0].operator",
+        "without a key must have operator Exists",
+    ),
+    (
+        "Toleration:tolerationSeconds",
+        spec({"harness": {"scheduling": {"tolerations": [
+            {"key": "k", "effect": "NoExecute", "tolerationSeconds": 30}]}}}),
+        spec({"harness": {"scheduling": {"tolerations": [
+            {"key": "k", "effect": "NoSchedule", "tolerationSeconds": 30}]}}}),
+        "spec.harness.scheduling.tolerations[0].tolerationSeconds",
+        "only applies to effect NoExecute",
+    ),
+    (
         "TrainingRunSpec:learner.lora",
         spec({"weightSync": {"method": "lora"}, "learner": {"lora": {"rank": 8}}}),
         spec({"weightSync": {"method": "lora"}}),
@@ -415,8 +438,9 @@ def test_rules_sit_in_the_crd_at_their_models_schema_node() -> None:
         for name, cls in _model_classes(TrainingRun).items()
         if issubclass(cls, SpecModel)
     }
+    # Toleration three times (rollout, learner and harness scheduling).
     expected = (sum(per_model.values()) + 2 * (per_model["EnvVar"] + per_model["EnvVarSource"])
-                + per_model["Tasks"] + per_model["FileSource"])
+                + per_model["Tasks"] + per_model["FileSource"] + 2 * per_model["Toleration"])
     assert total == expected
 
 

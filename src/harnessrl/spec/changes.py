@@ -6,7 +6,7 @@ of those mid-run would silently mix two experiments. So a field is fixed once th
 model lists it in ``changeable`` (``SpecModel.changeable``); the API server refuses the change with a
 message naming the field, the way a Job refuses a new pod template. What may change acts on work started
 after the change: the suspend switch and the deadlines, how many vLLM replicas serve, and how many harness
-pods run at once, for how long and how often they are retried.
+pods run at once, for how long, how often they are retried and where they are scheduled.
 
 A transition rule (one that reads ``oldSelf``) is only evaluated on an update and only where the old object
 had the field, so a fixed optional field compares presence too: setting a field that was unset is a change.

@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, WithJsonSchema, field_validator
 
 from harnessrl.spec.base import SpecModel
-from harnessrl.spec.kube import PATH_MAX, Cidr, EnvVar, ObjectName, Resources, Volume, user_error
+from harnessrl.spec.kube import PATH_MAX, Cidr, EnvVar, ObjectName, Resources, Scheduling, Volume, user_error
 from harnessrl.spec.rules import Rule, exactly_one, path_inside, path_inside_cel
 
 FreeFormObject = Annotated[
@@ -192,6 +192,11 @@ class Harness(SpecModel):
     verifier: Verifier | None = None
     """Score each attempt with a separate program after the harness, which alone may report the reward.
     Unset: the harness reports its own reward."""
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Node selector, tolerations, affinity, priority class, pull secrets and ServiceAccount of the harness
+    pods (the verifier runs in the same pod); a change reaches the pods started after it."""
 
-    changeable: ClassVar[frozenset[str] | None] = frozenset({"concurrency", "timeout_seconds", "max_attempts"})
-    cluster_only: ClassVar[frozenset[str]] = frozenset({"image", "resources", "sandbox"})
+    changeable: ClassVar[frozenset[str] | None] = frozenset(
+        {"concurrency", "timeout_seconds", "max_attempts", "scheduling"}
+    )
+    cluster_only: ClassVar[frozenset[str]] = frozenset({"image", "resources", "sandbox", "scheduling"})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, PlainValidator, WithJsonSchema
@@ -186,3 +186,75 @@ class Volume(SpecModel):
     """Mount only this folder of the claim."""
     read_only: bool = True
     """Mount read-only (models, task files); checkpoint volumes must set this to false."""
+
+
+class Toleration(SpecModel):
+    """A taint the pods tolerate (GPU pools are usually tainted), spelled as in a Kubernetes pod."""
+
+    key: str | None = Field(default=None, min_length=1, max_length=317)
+    """The taint's key; unset with operator Exists tolerates every taint."""
+    operator: Literal["Exists", "Equal"] | None = None
+    """Exists or Equal; unset means Equal, as in Kubernetes."""
+    value: str | None = Field(default=None, max_length=63)
+    """The taint's value, for operator Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """The effect tolerated; unset tolerates every effect."""
+    toleration_seconds: int | None = None
+    """With effect NoExecute: how long a pod stays bound after the taint appears; unset: for ever."""
+
+    rules = (
+        Rule(
+            field="value",
+            cel="!has(self.operator) || self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            holds=lambda t: t.operator != "Exists" or not t.value,
+            problem="a toleration with operator Exists takes no value",
+            fix="remove value, or set operator to Equal",
+        ),
+        Rule(
+            field="operator",
+            cel="has(self.key) || (has(self.operator) && self.operator == 'Exists')",
+            holds=lambda t: t.key is not None or t.operator == "Exists",
+            problem="a toleration without a key must have operator Exists (it then tolerates every taint)",
+            fix="set key, or set operator to Exists",
+        ),
+        Rule(
+            field="tolerationSeconds",
+            cel="!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+            holds=lambda t: t.toleration_seconds is None or t.effect == "NoExecute",
+            problem="tolerationSeconds only applies to effect NoExecute",
+            fix="set effect to NoExecute, or remove tolerationSeconds",
+        ),
+    )
+
+
+class LocalObjectReference(SpecModel):
+    """An object in the run's namespace, by name (as a pod's imagePullSecrets lists them)."""
+
+    name: ObjectName
+    """The object's name."""
+
+
+class Scheduling(SpecModel):
+    """Where one component's pods may run and with which identity; each field is copied into the pod spec as
+    Kubernetes spells it, and an unset field leaves the namespace's and cluster's defaults alone. The same
+    object, with the same meaning, sits on the vLLM servers (``rollout.scheduling``), the learner
+    (``learner.scheduling``) and the harness pods (``harness.scheduling``, which also hold the verifier)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the pods need, e.g. ``{nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}``."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the pods tolerate, e.g. ``[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]``."""
+    affinity: Annotated[
+        dict[str, Any] | None,
+        WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True}),
+    ] = None
+    """A Kubernetes pod affinity (nodeAffinity, podAffinity, podAntiAffinity), copied as written; the API
+    server checks its shape when the pods are created, and the run's status names this field if it refuses
+    it."""
+    priority_class_name: ObjectName | None = None
+    """A PriorityClass, so the scheduler may preempt lower-priority pods for these (or not)."""
+    image_pull_secrets: list[LocalObjectReference] = Field(default_factory=list)
+    """Secrets with registry credentials for the component's images, e.g. ``[{name: regcred}]``."""
+    service_account_name: ObjectName | None = None
+    """The ServiceAccount the pods run as (its imagePullSecrets apply too); unset: the namespace's default.
+    Its API token is never mounted: no harnessrl pod calls the Kubernetes API."""

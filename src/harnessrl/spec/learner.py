@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import Field
 
 from harnessrl.spec.base import SpecModel
-from harnessrl.spec.kube import PATH_MAX, Resources, Volume
+from harnessrl.spec.kube import PATH_MAX, Resources, Scheduling, Volume
 from harnessrl.spec.rules import Rule, path_inside, path_inside_cel
 
 NonNegativeFloat = Annotated[float, Field(ge=0)]
@@ -173,9 +173,12 @@ class Learner(SpecModel):
     """A shared (ReadWriteMany) claim holding checkpointDir, so vLLM pods can load what the learner writes."""
     keep_checkpoints: int = Field(default=3, ge=1)
     """How many of the newest checkpoints to keep."""
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Node selector, tolerations, affinity, priority class, pull secrets and ServiceAccount of the learner
+    pods."""
 
     cluster_only: ClassVar[frozenset[str]] = frozenset(
-        {"nodes", "gpus_per_node", "image", "resources", "checkpoint_volume"}
+        {"nodes", "gpus_per_node", "image", "resources", "checkpoint_volume", "scheduling"}
     )
 
     rules = (

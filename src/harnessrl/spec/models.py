@@ -13,7 +13,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from harnessrl.spec.base import SpecModel
 from harnessrl.spec.evaluation import Evaluation
 from harnessrl.spec.harness import Harness
-from harnessrl.spec.kube import PATH_MAX, RUN_NAME, RUN_NAME_MAX, EnvVar, HttpUrl, KeyRef, Resources, Volume
+from harnessrl.spec.kube import (
+    PATH_MAX,
+    RUN_NAME,
+    RUN_NAME_MAX,
+    EnvVar,
+    HttpUrl,
+    KeyRef,
+    Resources,
+    Scheduling,
+    Volume,
+)
 from harnessrl.spec.learner import Learner
 from harnessrl.spec.rules import Rule, exactly_one, path_inside, path_inside_cel
 from harnessrl.spec.status import TrainingRunStatus
@@ -104,10 +114,12 @@ class Rollout(SpecModel):
     """Cap on completion tokens per call; unset leaves each call's own limit."""
     upstreams: list[HttpUrl] | None = Field(default=None, min_length=1)
     """Use these running OpenAI-compatible servers (base URLs ending in /v1) instead of starting replicas."""
+    scheduling: Scheduling = Field(default_factory=Scheduling)
+    """Node selector, tolerations, affinity, priority class, pull secrets and ServiceAccount of the vLLM pods."""
 
     changeable: ClassVar[frozenset[str] | None] = frozenset({"replicas"})
     cluster_only: ClassVar[frozenset[str]] = frozenset(
-        {"replicas", "gpus_per_replica", "tensor_parallel", "image", "env", "resources"}
+        {"replicas", "gpus_per_replica", "tensor_parallel", "image", "env", "resources", "scheduling"}
     )
 
     rules = (
