@@ -95,9 +95,13 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     for i, message in enumerate(body["messages"]):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise RequestError(f"'{where}.role' must be \"user\" or \"assistant\"", param=f"{where}.role")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(f"'{where}.role' must be \"user\", \"assistant\" or \"system\"",
+                               param=f"{where}.role")
         content = message.get("content")
+        if role == "system":  # Claude Code 2.1 puts its environment in a system message after the first user turn
+            out.append({"role": "system", "content": _text(content, f"{where}.content")})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -205,10 +209,47 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
                             ("top_k", "top_k")):
         if body.get(name) is not None:
             out[chat_name] = body[name]
-    if body.get("tools"):
-        out["tools"] = [{"type": "function", "function": _chat_function(t)} for t in body["tools"] if isinstance(t, dict)]
+    effort = body.get("output_config", {}).get("effort") if isinstance(body.get("output_config"), dict) else None
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    tools = [{"type": "function", "function": _chat_function(t)} for t in body.get("tools") or []
+             if isinstance(t, dict) and t.get("type") in CLIENT_TOOL_TYPES]
+    if tools:
+        out["tools"] = tools
         if body.get("tool_choice") is not None:
             out["tool_choice"] = _tool_choice(body["tool_choice"])
+    return out
+
+
+# What a Messages request may carry that vLLM cannot honour, and what the translation does with it (Claude
+# Code 2.1 sends all of these). As for Responses: what reaches vLLM is what is stored and trained, and each
+# drop is counted in harnessrl_proxy_dropped_fields_total{route="messages", field}.
+#   metadata             dropped: the client's ids, never shown to the model.
+#   thinking             dropped: vLLM has no thinking budget; a reasoning model reasons as its template and
+#                        reasoning parser make it (answered as thinking blocks, read back the same way).
+#   context_management   dropped: Anthropic's server-side edits of the history (clearing old thinking or tool
+#                        results); the proxy renders the messages as sent, so the tokens are what vLLM saw.
+#   cache_control        dropped: prompt caching hints; vLLM's prefix cache needs none.
+#   output_config.effort translated: chat's reasoning_effort (read by chat templates that know it).
+#   server tools         dropped (``tools.<type>``): Anthropic-hosted tools (web_search_*, code_execution_*, ...)
+#                        that the server cannot run; the model is not told of them.
+#   defer_loading        rendered: a deferred tool is in the prompt from the start (``tool_reference_text``).
+#   anthropic-beta       (a header) not read: the features it names are the fields above.
+CLIENT_TOOL_TYPES = (None, "custom")
+DROPPED_FIELDS = ("metadata", "thinking", "context_management")
+
+
+def dropped_fields(body: Mapping[str, Any]) -> list[str]:
+    """What of a Messages request does not reach vLLM (the table above)."""
+    out = [name for name in DROPPED_FIELDS if body.get(name) is not None]
+    blocks = [*(body.get("system") if isinstance(body.get("system"), list) else []), *(body.get("tools") or [])]
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        blocks += content if isinstance(content, list) else []
+    if any(isinstance(b, dict) and b.get("cache_control") is not None for b in blocks):
+        out.append("cache_control")
+    out += [f"tools.{t['type']}" for t in body.get("tools") or []
+            if isinstance(t, dict) and t.get("type") not in CLIENT_TOOL_TYPES]
     return out
 
 
@@ -278,6 +319,15 @@ def strip_unrequested(obj: dict[str, Any], wants: ClientWants) -> dict[str, Any]
 
 def sse_bytes(obj: Mapping[str, Any]) -> bytes:
     return f"event: {obj.get('type')}\n".encode() + b"data: " + dumps(obj) + b"\n\n"
+
+
+KEEPALIVE = sse_bytes({"type": "ping"})  # Anthropic's own keep-alive event
+
+
+def error_event(error: Mapping[str, Any]) -> bytes:
+    """Anthropic's stream error event."""
+    return sse_bytes({"type": "error", "error": {"type": str(error.get("type") or "api_error"),
+                                                 "message": str(error.get("message") or "")}})
 
 
 def replay_events(message: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -473,7 +473,10 @@ class CaptureProxy:
         served as (``chat_served.py``); None for a call served on its own route. A Responses call the
         translation cannot carry keeps vLLM's route, its reason counted as a continuity outcome."""
         if route == "messages":
-            return anthropic_api.chat_request(body)
+            chat = anthropic_api.chat_request(body)
+            for name in anthropic_api.dropped_fields(body):
+                self.metrics.dropped.labels(route, name).inc()
+            return chat
         if route != "responses" or not self.config.train or self.continuity is None:
             return None
         try:
@@ -541,25 +544,55 @@ class CaptureProxy:
         """A streamed Responses call in train mode, a streamed Messages call, or a streamed chat call continued
         through the server's parsers (``replay``: its answer as stream bytes): fetched whole, captured, then
         replayed to the harness as its API's event stream (``responses_api.py``, ``anthropic_api.py`` and
-        ``continuity.py`` say why); an error answer goes back as it came."""
-        answer = await self._unary(x)
-        if answer.status != 200 or not isinstance(answer.body, bytes):
-            return answer
+        ``continuity.py`` say why).
+
+        Keep-alive: an answer not there after ``stream_keepalive_s`` gets its 200 and the stream's headers then,
+        and the protocol's keep-alive event every ``stream_keepalive_s`` until the answer is whole (Anthropic's
+        ``ping`` event, an SSE comment for Responses and chat, which every SSE reader skips): the first byte
+        came only after the whole generation (30-62 s on CPU for Claude Code and Codex, minutes on a GPU with
+        long generations), and clients with stream idle timeouts gave up. An error answered before that goes
+        back with its status as it came; one after it as the protocol's error event (``error_event``)."""
+        fetch = asyncio.ensure_future(self._unary(x))
+        resp: web.StreamResponse | None = None
+        try:
+            while True:
+                done, _ = await asyncio.wait({fetch}, timeout=self.config.stream_keepalive_s)
+                if done:
+                    break
+                if resp is None:
+                    resp = await self._open_stream(request)
+                await resp.write(wire(x.route).KEEPALIVE)
+            answer = fetch.result()
+            body = answer.body if isinstance(answer.body, bytes) else b""
+            if resp is None and answer.status != 200:
+                return answer
+            shapes = wire(x.route)
+            if resp is None:
+                resp = await self._open_stream(request)
+            if answer.status != 200:
+                await resp.write(shapes.error_event(protocol.answered_error(body)))
+            else:
+                answered = loads(body)
+                if replay is not None:
+                    await resp.write(replay(answered))
+                else:
+                    await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(answered))))
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if not fetch.done():
+                fetch.cancel()  # the harness left while waiting: the call is recorded as aborted
+        except asyncio.CancelledError:
+            fetch.cancel()
+            raise
+        return resp
+
+    @staticmethod
+    async def _open_stream(request: web.Request) -> web.StreamResponse:
         resp = web.StreamResponse(
             status=200,
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
         )
         await resp.prepare(request)
-        try:
-            shapes = wire(x.route)
-            answered = loads(answer.body)
-            if replay is not None:
-                await resp.write(replay(answered))
-            else:
-                await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(answered))))
-            await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-            pass  # the harness left after its call was stored: nothing to undo
         return resp
 
     def _capture_abandoned(self, x: Exchange) -> None:

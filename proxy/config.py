@@ -64,6 +64,9 @@ HARNESSRL_LIVE_ROLLOUTS            rollout attempts whose sequence counter is ke
 HARNESSRL_LAST_CALL_TOKENS         token budget of the last-call-per-rollout map used by token continuity
                                    (default 8000000: 32 MB of int32 arrays plus the calls' messages)
 HARNESSRL_SHUTDOWN_TIMEOUT_S       on SIGTERM, how long in-flight calls may finish (default 30)
+HARNESSRL_STREAM_KEEPALIVE_S       a streamed call the proxy answers whole (Messages, Responses, chat with a
+                                   server parser) that has no answer after this long gets its 200 and the
+                                   protocol's keep-alive events at this interval until it has (default 5)
 =================================  =========================================================================
 """
 
@@ -167,6 +170,7 @@ class ProxyConfig(BaseSettings):
     live_rollouts: int = Field(default=100_000, ge=1)
     last_call_tokens: int = Field(default=8_000_000, ge=0)
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
+    stream_keepalive_s: float = Field(default=5.0, gt=0)
 
     @field_validator("upstreams", mode="before")
     @classmethod

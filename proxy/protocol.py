@@ -41,6 +41,7 @@ Route = Literal["chat", "completions"]
 ROUTE_PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 SSE_DONE = b"data: [DONE]\n\n"
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every SSE reader skips it (chat and Responses streams)
 
 
 class RequestError(ValueError):
@@ -450,6 +451,23 @@ class SSESplitter:
 
 def sse_bytes(obj: Mapping[str, Any]) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
+
+
+def answered_error(body: bytes) -> dict[str, Any]:
+    """The ``error`` object of an error answer (the proxy's own or an upstream's), for a stream's error event."""
+    try:
+        parsed = loads(body)
+    except ValueError:
+        parsed = None
+    error = parsed.get("error") if isinstance(parsed, dict) else None
+    if isinstance(error, dict):
+        return error
+    return {"message": error if isinstance(error, str) else body.decode("utf-8", "replace"), "type": "upstream_error"}
+
+
+def error_event(error: Mapping[str, Any]) -> bytes:
+    """A chat or completions stream's error (as vLLM ends a stream that failed), then ``[DONE]``."""
+    return sse_bytes({"error": dict(error)}) + SSE_DONE
 
 
 @dataclass

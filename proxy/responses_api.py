@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import chat_served
+from . import chat_served, protocol
 from .chat_served import carried, without_carried
 from .protocol import ClientWants, RequestError, Tokens, _expect, _logprob, dumps
 
@@ -170,6 +170,15 @@ def sse_bytes(obj: Mapping[str, Any]) -> bytes:
     kind = obj.get("type")
     head = f"event: {kind}\n".encode() if isinstance(kind, str) else b""
     return head + b"data: " + dumps(obj) + b"\n\n"
+
+
+KEEPALIVE = protocol.KEEPALIVE
+
+
+def error_event(error: Mapping[str, Any]) -> bytes:
+    """The Responses stream's error event."""
+    return sse_bytes({"type": "error", "code": error.get("code"), "message": str(error.get("message") or ""),
+                      "param": error.get("param"), "sequence_number": 0})
 
 
 @dataclass

@@ -122,3 +122,30 @@ def test_tool_reference_blocks_are_read_and_refused_blocks_are_logged_and_counte
     assert metric_value(metrics, "harnessrl_proxy_refused_total", route="messages", status="400",
                         code="unsupported_block") == 1
     assert metric_value(metrics, "harnessrl_proxy_requests_total", route="messages", status="400") == 1
+
+
+def test_claude_code_requests_translate_and_say_what_was_dropped(upstream, make_proxy, store):
+    """What Claude Code 2.1 sends: a system message after the first user turn, thinking, context_management,
+    cache_control, output_config.effort, metadata, a deferred tool, and (with web search on) a server tool."""
+    proxy = make_proxy([upstream.url])
+    body = {"model": "m", "max_tokens": 4, "metadata": {"user_id": "u"}, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "output_config": {"effort": "high"},
+            "system": [{"type": "text", "text": "you are an agent", "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": "fix it"},
+                         {"role": "system", "content": [{"type": "text", "text": "cwd: /w"}]}],
+            "tools": [{"name": "Read", "input_schema": {"type": "object"}},
+                      {"name": "Later", "input_schema": {"type": "object"}, "defer_loading": True},
+                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}]}
+    answer = httpx.post(f"{proxy.url}/v1/messages", json=body, headers={"anthropic-beta": "context-management-2025-06-27"},
+                        timeout=30)
+    assert answer.status_code == 200, answer.text
+    sent = upstream.fake.bodies[-1]
+    assert sent["messages"] == [{"role": "system", "content": "you are an agent"}, {"role": "user", "content": "fix it"},
+                                {"role": "system", "content": "cwd: /w"}]
+    assert [t["function"]["name"] for t in sent["tools"]] == ["Read", "Later"] and sent["reasoning_effort"] == "high"
+    assert not {"thinking", "context_management", "metadata", "output_config"} & set(sent)
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    dropped = {field: metric_value(metrics, "harnessrl_proxy_dropped_fields_total", route="messages", field=field)
+               for field in ("metadata", "thinking", "context_management", "cache_control", "tools.web_search_20250305")}
+    assert dropped == dict.fromkeys(dropped, 1.0)
