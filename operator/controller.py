@@ -118,6 +118,36 @@ class Apis:
                     if exc.status != 404:
                         raise
 
+    def release_accelerators(self, namespace: str, run: str) -> list[str]:
+        """Scale the run's vLLM Deployment to 0 and delete its learner Job (the Job's pods go with it), so a
+        finished run holds no GPU; what the run wrote stays (the store, the checkpoint claim, which the run
+        does not own), and so do its Services, Secret and the Deployment object. A merge patch, not an apply:
+        an apply of just the replicas would drop every other field this manager owns. What was released."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        released = []
+        apps, batch = client.AppsV1Api(self.core.api_client), client.BatchV1Api(self.core.api_client)
+        try:
+            # The answer's status still counts the replicas the patch is about to remove (none after a restart).
+            scaled = apps.patch_namespaced_deployment(
+                naming.rollout_name(run), namespace, {"spec": {"replicas": 0}}
+            )
+            if (scaled.status.replicas or 0) > 0:
+                released.append(f"scaled Deployment {naming.rollout_name(run)} to 0")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        try:
+            batch.delete_namespaced_job(
+                naming.learner_name(run), namespace, body={"propagationPolicy": "Background"}
+            )
+            released.append(f"deleted Job {naming.learner_name(run)}")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        return released
+
     def delete_pods(self, namespace: str, label_selector: str) -> None:
         self.core.delete_collection_namespaced_pod(
             namespace, label_selector=label_selector, grace_period_seconds=10
