@@ -422,13 +422,17 @@ class CaptureProxy:
             async with self.gate.admit():
                 chat_body = self._as_chat(route, body)
                 if self.continuity is not None and (route == "chat" or chat_body is not None):
-                    plan = await self.continuity.plan(
-                        who,
-                        body if chat_body is None else chat_body,
-                        self.ledger.recent_calls(who.key),
-                        cfg.model_name,
-                        cfg.sampling_for(who.rollout_id) if cfg.train else {},
-                    )
+                    try:
+                        plan = await self.continuity.plan(
+                            who,
+                            body if chat_body is None else chat_body,
+                            self.ledger.recent_calls(who.key),
+                            cfg.model_name,
+                            cfg.sampling_for(who.rollout_id) if cfg.train else {},
+                        )
+                    except asyncio.CancelledError:  # the harness left while the server rendered its call
+                        self._capture_abandoned(Exchange(route, who, body, wants, b"", "", started))
+                        raise
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
                         if chat_body is not None:

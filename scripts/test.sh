@@ -29,6 +29,7 @@ if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build --node; e
 fi
 rm -f "$kube_log"
 scripts/chart-tools.sh || echo "WARNING: no helm or no prometheus; the chart tests will fail" >&2
+scripts/harness-clis.sh >/dev/null || echo "WARNING: Claude Code / Codex CLI not installed; the harness_cli tests will fail" >&2
 # pytest's exit code is the script's (not exec: the EXIT trap must stop PostgreSQL); 5, nothing collected,
 # is a failure too.
 pytest "$@"

@@ -1,0 +1,301 @@
+"""Claude Code and Codex CLI, unchanged, through the proxy on the real vLLM: every call trainable (issue 26).
+
+The CLIs are the npm packages ``@anthropic-ai/claude-code`` and ``@openai/codex`` at the versions
+``scripts/harness-clis.sh`` pins (it installs them into ``~/.cache/harnessrl``; scripts/test.sh runs it, and so
+does the ``clis`` fixture, which is instant once they are there). Each runs headless:
+
+* as an unprivileged user (``nobody`` when the tests run as root) in a throwaway directory holding its home,
+  its working directory and a copy of its binary, with only the environment it is given;
+* with its tools that execute disabled (Claude Code: ``--disallowedTools`` for Bash, Edit, Write and the
+  rest; Codex: the ``shell_tool`` and ``unified_exec`` features off, read-only sandbox), never with a
+  permission-bypass flag;
+* against a vLLM server on the tiny model with a 64k context (Claude Code's prompt is about 29k tokens of the
+  tiny tokenizer, Codex's 23k) and the tool flags, behind a train-mode proxy.
+
+The random model is steered through the proxy's sampling override, as an RL run on a weak model would be:
+``STOP`` (a ``logit_bias`` on the stop token: every answer is empty) for a conversation of plain turns, and
+``FORCED`` (``tool_choice`` required, with biases that end the arguments and the answer as soon as the grammar
+allows) for tool calls. The checks are the issue's: every call the CLI made is stored, every completion token
+has a log-prob, one training row per conversation of at most 1.05x its final trajectory's tokens, and the stored
+token ids decode to exactly the tool calls the CLI received (read from the CLI's own transcript).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
+from proxy_servers import metric_value
+from vllm_fixtures import TOOL_SERVER_ARGS, VLLM_START_TIMEOUT_S, VllmServer, proxy_in_front, start_vllm
+
+from harnessrl.store import CallStatus, TraceStore
+from harnessrl.trainer.rows import merge_calls_into_rows
+
+pytest_plugins = ["vllm_fixtures"]
+
+pytestmark = [pytest.mark.vllm, pytest.mark.harness_cli]
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_MAX_MODEL_LEN = 65536
+CLI_TIMEOUT_S = 600
+# Claude Code's tools that execute or reach out; what is left reads (Read, Glob, Grep) or plans (Agent, ...).
+CLAUDE_DISALLOWED = "Bash Edit Write NotebookEdit WebFetch WebSearch KillShell BashOutput"
+TASK = "fix the bug in calc.py"
+
+
+@pytest.fixture(scope="module")
+def clis() -> dict[str, Path]:
+    """The pinned CLIs' native binaries (installed by scripts/harness-clis.sh, once)."""
+    done = subprocess.run([str(ROOT / "scripts" / "harness-clis.sh")], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, f"scripts/harness-clis.sh failed:\n{done.stderr[-3000:]}"
+    return {name: Path(path) for name, path in (line.split(" ", 1) for line in done.stdout.splitlines())}
+
+
+@pytest.fixture(scope="module")
+def cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from harnessrl.tiny_model import TinyModelConfig, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("cli-model") / "model",
+                            TinyModelConfig(max_position_embeddings=CLI_MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="module")
+def cli_server(cli_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """A tool server (hermes parser, render/generate/derender) with a 64k context; ``HARNESSRL_TEST_VLLM_CLI_URL``
+    points at one already running (the tiny model with 65536 positions, seed 0, served as "tiny")."""
+    external = os.environ.get("HARNESSRL_TEST_VLLM_CLI_URL")
+    if external:
+        yield VllmServer(external.rstrip("/"), "tiny", cli_model, None)
+        return
+    server = start_vllm(cli_model, tmp_path_factory.mktemp("cli-vllm") / "vllm.log", served_name="tiny",
+                        max_model_len=CLI_MAX_MODEL_LEN, extra_args=TOOL_SERVER_ARGS, timeout_s=VLLM_START_TIMEOUT_S,
+                        cpu=True)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cli_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cli_model)
+
+
+def steering(tokenizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sampling overrides: ``STOP`` ends every answer at once; ``FORCED`` forces a tool call whose arguments
+    (any JSON: the CLIs' tools are not strict) end as soon as the grammar allows, and the answer after it."""
+    stop = str(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    ends = {str(tokenizer.encode(text)[0]): 100 for text in ("0", "}")}
+    return ({"temperature": 1.0, "logit_bias": {stop: 100}},
+            {"temperature": 1.0, "tool_choice": "required", "logit_bias": {stop: 100, **ends}})
+
+
+@dataclass
+class Sandbox:
+    """A throwaway directory for one CLI run, owned by the user it runs as (nobody when we are root)."""
+
+    root: Path
+
+    @property
+    def home(self) -> Path:
+        return self.root / "home"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @classmethod
+    def create(cls, binary: Path) -> Sandbox:
+        root = Path(tempfile.mkdtemp(prefix="harnessrl-cli-"))
+        box = cls(root)
+        box.home.mkdir()
+        box.work.mkdir()
+        (box.work / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+        shutil.copy2(binary, root / binary.name)  # the cache under /root is not readable by nobody
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(root)], check=True)
+        return box
+
+    def command(self, binary: str, args: list[str], env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+        argv = [str(self.root / binary), *args]
+        if os.geteuid() == 0:
+            argv = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *argv]
+        return argv, {"HOME": str(self.home), "PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", **env}
+
+    def run(self, binary: str, args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+        argv, environ = self.command(binary, args, env)
+        return subprocess.run(argv, cwd=self.work, env=environ, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+
+    def start(self, binary: str, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+        argv, environ = self.command(binary, args, env)
+        return subprocess.Popen(argv, cwd=self.work, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    def transcripts(self, pattern: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for path in sorted(self.home.rglob(pattern)) for line in path.read_text().splitlines()
+                if line.strip()]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def sandboxes() -> Iterator[list[Sandbox]]:
+    made: list[Sandbox] = []
+    yield made
+    for box in made:
+        box.remove()
+
+
+def metrics(proxy: Any) -> str:
+    return httpx.get(f"{proxy.url}/metrics", timeout=30).text
+
+
+def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str) -> list[Any]:
+    """Every call the proxy answered is stored, none refused; every completed call has a log-prob per token;
+    the completed calls are one training row of at most 1.05x the final trajectory. Returns the completed calls."""
+    proxy.flush(120)
+    text = metrics(proxy)
+    assert "harnessrl_proxy_refused_total{" not in text
+    calls = store.read_calls(rollout, 0)
+    answered = sum(metric_value(text, "harnessrl_proxy_requests_total", route=route, status=status) or 0
+                   for status in ("200", "499"))
+    assert len(calls) == answered > 0
+    done = [c for c in calls if c.status is CallStatus.OK]
+    assert [c.route for c in done] == [route] * len(done)
+    assert all(len(c.logprobs) == len(c.completion_token_ids) > 0 for c in done)
+    result = merge_calls_into_rows(store.rollout_calls(rollout, 0))
+    assert len(result.rows) == 1 and result.stats.kept_calls == len(done)
+    final = len(done[-1].prompt_token_ids) + len(done[-1].completion_token_ids)
+    assert result.stats.row_tokens / final <= 1.05
+    return done
+
+
+def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
+    """The tool call a completion's tokens spell (hermes: ``<tool_call>{"name": .., "arguments": ..}</tool_call>``)."""
+    ids = call.completion_token_ids[:-1] if call.finish_reason in ("stop", "tool_calls") else call.completion_token_ids
+    text = tokenizer.decode(ids, skip_special_tokens=False)
+    assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
+    return json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+
+
+# ----------------------------------------------------------------------------------------------------- Codex
+
+
+def codex_sandbox(clis: dict[str, Path], sandboxes: list[Sandbox], proxy: Any, rollout: str
+                  ) -> tuple[Sandbox, dict[str, str]]:
+    """A sandbox for Codex and its environment: its config names the proxy as a Responses provider for
+    ``rollout``, its tools that execute are off, its sandbox read-only, approvals never asked."""
+    box = Sandbox.create(clis["codex"])
+    sandboxes.append(box)
+    base_url = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
+    config = box.home / ".codex" / "config.toml"
+    config.parent.mkdir()
+    config.write_text(f"""model = "tiny"
+model_provider = "harnessrl"
+approval_policy = "never"
+sandbox_mode = "read-only"
+[model_providers.harnessrl]
+name = "harnessrl"
+base_url = "{base_url}"
+wire_api = "responses"
+env_key = "HARNESSRL_API_KEY"
+[features]
+shell_tool = false
+unified_exec = false
+""")
+    if os.geteuid() == 0:
+        subprocess.run(["chown", "-R", "nobody:nogroup", str(config.parent)], check=True)
+    return box, {"CODEX_HOME": str(config.parent), "HARNESSRL_API_KEY": "unused"}
+
+
+def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
+    """``codex exec`` then ``codex exec resume --last``: every call is served as a chat completion (Codex's
+    client_metadata, reasoning, encrypted reasoning, namespace and web_search tools decided, the drops counted),
+    and the resumed call continues the first one's tokens."""
+    stop, _ = steering(tokenizer)
+    with proxy_in_front(cli_server, tmp_path, "codex", stop) as (store, proxy):
+        box, env = codex_sandbox(clis, sandboxes, proxy, "codex-conversation")
+        first = box.run("codex", ["exec", "--skip-git-repo-check", TASK], env)
+        assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+        second = box.run("codex", ["exec", "--skip-git-repo-check", "resume", "--last", "and add a test"], env)
+        assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+        done = check_trainable(proxy, store, "codex-conversation", "responses")
+        assert len(done) == 2
+        text = metrics(proxy)
+        assert metric_value(text, "harnessrl_proxy_token_continuity_total", outcome="used") == 1
+        for field in ("client_metadata", "reasoning.summary", "tools.web_search"):
+            assert metric_value(text, "harnessrl_proxy_dropped_fields_total", route="responses", field=field) == 2
+
+
+def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_server, tokenizer, tmp_path, sandboxes):
+    """Tool calls forced on every turn: Codex runs its tools (they fail on the random arguments) and goes on for
+    ever, so it is stopped after a few calls. Each stored completion spells the function call Codex recorded."""
+    _, forced = steering(tokenizer)
+    with proxy_in_front(cli_server, tmp_path, "codex", forced) as (store, proxy):
+        box, env = codex_sandbox(clis, sandboxes, proxy, "codex-tools")
+        process = box.start("codex", ["exec", "--skip-git-repo-check", TASK], env)
+        try:
+            deadline = time.monotonic() + CLI_TIMEOUT_S
+            while (metric_value(metrics(proxy), "harnessrl_proxy_calls_total", route="responses", status="ok") or 0) < 4:
+                assert process.poll() is None, process.stdout.read()[-3000:] if process.stdout else ""
+                assert time.monotonic() < deadline, "Codex made fewer than 4 calls in time"
+                time.sleep(0.5)
+        finally:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(60)
+        done = check_trainable(proxy, store, "codex-tools", "responses")
+        received = [item["payload"] for item in box.transcripts("rollout-*.jsonl")
+                    if item.get("type") == "response_item" and item["payload"].get("type") == "function_call"]
+        assert len(received) >= len(done) - 1 >= 3  # the last answer may not have reached the transcript
+        for call, got in zip(done, received, strict=False):
+            name = f"{got['namespace']}.{got['name']}" if got.get("namespace") else got["name"]
+            assert sampled_call(tokenizer, call) == {"name": name, "arguments": json.loads(got["arguments"])}
+
+
+# ----------------------------------------------------------------------------------------------- Claude Code
+
+
+def claude_env(base_url: str) -> dict[str, str]:
+    return {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "unused", "DISABLE_TELEMETRY": "1",
+            "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+
+
+def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
+    """``claude -p`` with tool calls forced for 3 turns (``--max-turns``), then ``--continue`` for 2 more: one row,
+    every completion spelling the tool_use Claude Code recorded, its input as generated (the random arguments are
+    no object: ``{"_raw": ...}``), and usage.input_tokens the prompt's length."""
+    _, forced = steering(tokenizer)
+    with proxy_in_front(cli_server, tmp_path, "claude", forced) as (store, proxy):
+        box = Sandbox.create(clis["claude"])
+        sandboxes.append(box)
+        env = claude_env(f"{proxy.url}/rollouts/claude-tools/attempts/0")
+        common = ["--model", "tiny", "--disallowedTools", CLAUDE_DISALLOWED, "--output-format", "json"]
+        for args in (["-p", TASK, "--max-turns", "3"], ["-p", "--continue", "go on", "--max-turns", "2"]):
+            run = box.run("claude", [*args, *common], env)
+            result = json.loads(run.stdout.strip().splitlines()[-1])
+            assert result["subtype"] == "error_max_turns", run.stdout[-3000:] + run.stderr[-2000:]
+        done = check_trainable(proxy, store, "claude-tools", "messages")
+        assert len(done) == 5
+        received = [block for item in box.transcripts("*.jsonl") if item.get("type") == "assistant"
+                    for block in item["message"]["content"] if block.get("type") == "tool_use"]
+        assert len(received) == len(done)
+        for call, got in zip(done, received, strict=True):
+            arguments = json.loads(got["input"]["_raw"]) if set(got["input"]) == {"_raw"} else got["input"]
+            assert sampled_call(tokenizer, call) == {"name": got["name"], "arguments": arguments}
+            assert call.response["usage"]["input_tokens"] == len(call.prompt_token_ids)
