@@ -1,0 +1,146 @@
+"""The trace explorer's server side on both databases, without a browser: it never writes, its rollout list
+filters, sorts and pages in SQL exactly as a filter over every attempt would, a store at an older schema gets
+the upgrade command, unknown names are 404s, and a 100k-token call is rendered a page of tokens at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from sqlalchemy import insert, text, update
+from sqlalchemy.exc import DBAPIError
+from synthetic_calls import chat_trajectory
+
+from harnessrl.store import RolloutState, TraceStore
+from harnessrl.store.learner_ledger import LearnerLedger
+from harnessrl.store.migrate import downgrade
+from harnessrl.store.schema import RolloutAttempt, Run
+from harnessrl.ui.app import make_app
+from harnessrl.ui.queries import RolloutFilter, rollout_page
+from harnessrl.ui.store_access import open_read_only
+from harnessrl.ui.token_text import TOKEN_PAGE
+
+RUN = "ui"
+
+
+def _fill(store: TraceStore) -> None:
+    """Three tasks x four rollouts with every state, rewards, versions and two learner steps."""
+    store.add_tasks(RUN, [{"id": f"t{i}"} for i in range(3)])
+    states = [RolloutState.SUCCEEDED, RolloutState.FAILED, RolloutState.SUCCEEDED, RolloutState.TIMED_OUT]
+    ledger = LearnerLedger(store, RUN)
+    ledger.ensure_base_version("/nowhere")
+    for t in range(3):
+        ids = store.create_rollouts(RUN, f"t{t}", [(f"r{t}-{i}", i) for i in range(4)])
+        for i, (rollout_id, state) in enumerate(zip(ids, states, strict=True)):
+            store.transition(rollout_id, 0, RolloutState.RUNNING, policy_version=t % 2)
+            if state is RolloutState.SUCCEEDED:
+                store.set_reward(rollout_id, 0, 0.25 * (i + t))
+            store.transition(rollout_id, 0, state, reason=None if state is RolloutState.SUCCEEDED
+                             else f"HarnessFailed: exit code {t}")
+    ledger.commit(1, "/nowhere/v1", {"rows": 3}, [("r0-0", 0), ("r0-1", 0), ("r0-2", 0), ("r0-3", 0)], 1)
+
+
+def test_the_ui_engine_refuses_every_write(store: TraceStore) -> None:
+    _fill(store)
+    engine = open_read_only(store.engine.url.render_as_string(hide_password=False))
+    try:
+        for statement in (insert(Run).values(name="other"),
+                          update(RolloutAttempt).values(reward=1.0).where(RolloutAttempt.run == RUN)):
+            with engine.connect() as conn, pytest.raises(DBAPIError, match="read-?only"):
+                conn.execute(statement)
+                conn.commit()
+        with engine.connect() as conn:  # and reads still work
+            assert conn.execute(text("SELECT count(*) FROM rollout_attempts")).scalar() == 12
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("query", [
+    {}, {"state": "failed"}, {"step": "1"}, {"version": "1"}, {"task": "t2"}, {"reason": "code 2"},
+    {"reward_min": "0.5"}, {"reward_min": "0.25", "reward_max": "0.75", "sort": "reward", "order": "asc"},
+    {"sort": "reward"}, {"sort": "version", "order": "asc"}, {"sort": "step"}, {"kind": "evaluation"},
+])
+def test_the_rollout_list_is_what_a_filter_over_every_attempt_gives(store: TraceStore, query: dict[str, str]):
+    _fill(store)
+    attempts = store.list_attempts(RUN)
+    filt = RolloutFilter.parse(query)
+
+    def keep(a: Any) -> bool:
+        return ((filt.state is None or a.state.value == filt.state) and (filt.step is None or a.consumed_by_step ==
+                filt.step) and (filt.version is None or a.policy_version_start == filt.version)
+                and (filt.task is None or a.task_id == filt.task)
+                and (filt.reason is None or filt.reason in (a.reason or ""))
+                and (filt.reward_min is None or (a.reward is not None and a.reward >= filt.reward_min))
+                and (filt.reward_max is None or (a.reward is not None and a.reward <= filt.reward_max))
+                and filt.kind != "evaluation")
+
+    expected = [a for a in attempts if keep(a)]
+    seen = []
+    for page in (1, 2, 3, 4):  # pages of 4
+        result = rollout_page(store.engine, RUN, RolloutFilter.parse({**query, "per_page": "4", "page": str(page)}))
+        assert result.total == len(expected)
+        seen += result.rows
+    assert sorted(r.rollout_id for r in seen) == sorted(a.rollout_id for a in expected)
+    key = {"created": "created_at", "reward": "reward", "version": "version", "step": "step"}[filt.sort]
+    values = [getattr(r, key) for r in seen if getattr(r, key) is not None]
+    assert values == sorted(values, reverse=filt.order == "desc")
+    assert all(getattr(r, key) is not None for r in seen[: len(values)])  # no value sorts last
+
+
+@pytest.mark.parametrize("query, says", [({"step": "x"}, "step='x' is not an integer"),
+                                         ({"state": "lost"}, "state='lost' is not one of"),
+                                         ({"sort": "size"}, "sort='size' is not one of"),
+                                         ({"page": "0"}, "page='0' must be at least 1")])
+def test_a_bad_filter_names_the_parameter(query: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(says)):
+        RolloutFilter.parse(query)
+
+
+@pytest.fixture
+async def client(store: TraceStore) -> AsyncIterator[TestClient]:
+    engine = open_read_only(store.engine.url.render_as_string(hide_password=False))
+    async with TestClient(TestServer(make_app(engine))) as test_client:
+        yield test_client
+    engine.dispose()
+
+
+async def test_unknown_names_are_404_pages(store: TraceStore, client: TestClient) -> None:
+    _fill(store)
+    for path, says in (("/runs/nope", "no run &#39;nope&#39;"), (f"/runs/{RUN}/rollouts/nope", "no rollout"),
+                       (f"/runs/{RUN}/rollouts?step=7", "no learner step 7 (steps 1-1 are committed)"),
+                       (f"/runs/{RUN}/rollouts/r0-0?attempt=3", "attempt 3"),
+                       (f"/runs/{RUN}/compare?task=t9", "no rollout of task"), ("/nothing/here", "no page")):
+        response = await client.get(path)
+        assert response.status == 404, path
+        assert says in await response.text(), path
+
+
+async def test_a_store_at_an_older_schema_gets_the_upgrade_command(store: TraceStore, client: TestClient) -> None:
+    downgrade(store.engine, "0005")
+    response = await client.get("/")
+    assert response.status == 503
+    body = await response.text()
+    assert "is at schema revision 0005" in body and "harnessrl db upgrade --url" in body
+
+
+async def test_a_100k_token_call_is_rendered_a_page_of_tokens_at_a_time(store: TraceStore, client: TestClient):
+    [call] = chat_trajectory("huge", 1, system_tokens=100_000, observation_tokens=10, completion_tokens=50,
+                             run=RUN)
+    store.add_calls([call])
+    total = len(call.prompt_token_ids) + len(call.completion_token_ids)
+    assert total > 100_000
+    response = await client.get(f"/runs/{RUN}/rollouts/huge")
+    assert response.status == 200
+    body = await response.text()
+    assert body.count(' data-pos=') == TOKEN_PAGE
+    assert f"tokens 0–{TOKEN_PAGE} of {total}" in body
+    assert len(body) < 3_000_000  # the 400 kB system prompt is cut in the conversation too
+    last = (total - 1) // TOKEN_PAGE * TOKEN_PAGE
+    response = await client.get(f"/runs/{RUN}/rollouts/huge?from={last}")
+    body = await response.text()
+    assert body.count('data-trained="1"') == len(call.completion_token_ids)  # the completion ends the row
+    assert f"tokens {last}–{total} of {total}" in body
