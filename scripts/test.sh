@@ -29,6 +29,14 @@ if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build --node; e
 fi
 rm -f "$kube_log"
 scripts/chart-tools.sh || echo "WARNING: no helm or no prometheus; the chart tests will fail" >&2
+# The trace explorer's browser tests drive Debian's Chromium (Playwright with executable_path, never its own
+# browser download); its chart library comes from npm, pinned (an editable install does not run the build hook).
+if [ ! -x /usr/bin/chromium ] || ! command -v npm >/dev/null; then
+  apt-get install -y --no-install-recommends chromium npm >/dev/null || { apt-get update >/dev/null &&
+    apt-get install -y --no-install-recommends chromium npm >/dev/null; } ||
+    echo "WARNING: chromium or npm could not be installed; the UI tests will fail" >&2
+fi
+python src/harnessrl/ui/vendor.py || echo "WARNING: the UI's assets could not be fetched; the UI tests will fail" >&2
 scripts/harness-clis.sh >/dev/null || echo "WARNING: Claude Code / Codex CLI not installed; the harness_cli tests will fail" >&2
 # pytest's exit code is the script's (not exec: the EXIT trap must stop PostgreSQL); 5, nothing collected,
 # is a failure too.

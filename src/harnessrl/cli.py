@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "run": "harnessrl.local.commands:run_command",
     "status": "harnessrl.local.commands:status_command",
     "tiny-model": "harnessrl.tiny_model:tiny_model_command",
+    "ui": "harnessrl.ui.commands:ui_command",
     "validate": "harnessrl.spec.commands:validate_command",
 }
 
