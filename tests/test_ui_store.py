@@ -120,11 +120,11 @@ async def test_unknown_names_are_404_pages(store: TraceStore, client: TestClient
 
 
 async def test_a_store_at_an_older_schema_gets_the_upgrade_command(store: TraceStore, client: TestClient) -> None:
-    downgrade(store.engine, "0005")
+    downgrade(store.engine, "0004")
     response = await client.get("/")
     assert response.status == 503
     body = await response.text()
-    assert "is at schema revision 0005" in body and "harnessrl db upgrade --url" in body
+    assert "is at schema revision 0004" in body and "harnessrl db upgrade --url" in body
 
 
 async def test_a_100k_token_call_is_rendered_a_page_of_tokens_at_a_time(store: TraceStore, client: TestClient):
