@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--mini-batches", type=int, default=1)
     parser.add_argument("--loss", default="ppo-clip")
     parser.add_argument("--acpo-alpha", type=float, default=3.0)
+    parser.add_argument("--no-shared-prefix", action="store_true", help="train every row alone")
     parser.add_argument("--kill-after-save", type=int, default=None)
     parser.add_argument("--dump", type=Path, default=None, help="write this rank's weights to DUMP.rank<N>.pt")
     args = parser.parse_args()
@@ -44,7 +45,8 @@ def main() -> None:
     settings = LearnerSettings(
         run=args.run, model_dir=args.model, output_dir=args.output, steps=args.steps,
         tasks_per_step=args.tasks_per_step, group_size=args.group_size, wait_timeout_s=0,
-        engine=EngineSettings(lr=args.lr, eps=args.eps, micro_batch_tokens=args.micro_batch_tokens),
+        engine=EngineSettings(lr=args.lr, eps=args.eps, micro_batch_tokens=args.micro_batch_tokens,
+                              shared_prefix_min_fraction=None if args.no_shared_prefix else 0.5),
         mini_batches=args.mini_batches, loss=LossConfig(loss=args.loss, acpo_alpha=args.acpo_alpha),
     )
 
@@ -62,6 +64,7 @@ def main() -> None:
         print(json.dumps({"steps": [o.step for o in outcomes],
                           "grad_norms": [o.metrics.get("grad_norm") for o in outcomes],
                           "padding": [o.metrics.get("padding_micro_batches") for o in outcomes],
+                          "shared": [o.metrics.get("shared_prefix_rows") for o in outcomes],
                           "clip_frac": [o.metrics.get("clip_frac") for o in outcomes],
                           "acpo_clip_mean": [o.metrics.get("acpo_clip_mean") for o in outcomes]}))
     torch.distributed.barrier()

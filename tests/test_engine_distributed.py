@@ -58,10 +58,12 @@ def env_for(rank: int, world: int, port: int) -> dict[str, str]:
     return env
 
 
-# Two updates per step with ACPO: the old log-probs and ACPO's per-update spread statistic are collective
-# (the first update has one rollout, so rank 1 only pads; the second has a row on each rank), and must match
-# one rank's.
-@pytest.mark.parametrize("extra", [[], ["--mini-batches", "2", "--loss", "acpo", "--acpo-alpha", "0.5"]],
+# Rows alone (no prefix sharing, which would pack two rows of a step on one rank): the rank with one
+# micro-batch pads. Two updates per step with ACPO: the old log-probs and ACPO's per-update spread statistic are
+# collective (the first update has one rollout, so rank 1 only pads; the second has a row on each rank), and
+# must match one rank's.
+@pytest.mark.parametrize("extra", [["--no-shared-prefix"],
+                                   ["--mini-batches", "2", "--loss", "acpo", "--acpo-alpha", "0.5"]],
                          ids=["one-update", "acpo-two-updates"])
 def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_path: Path, extra: list[str]):
     db = tmp_path / "two.db"
@@ -106,7 +108,8 @@ def test_two_ranks_end_with_identical_weights_equal_to_one_rank(tiny: Path, tmp_
     assert two_report["grad_norms"] == pytest.approx(one_report["grad_norms"], rel=1e-5)
     assert all(p >= 1 for p in two_report["padding"]) and one_report["padding"] == [0, 0, 0]
     assert two_report["clip_frac"] == pytest.approx(one_report["clip_frac"], rel=1e-5)
-    if extra:  # the second update's ratios spread, so ACPO widened its bound, by the same on both ranks
+    assert two_report["shared"] == one_report["shared"]
+    if len(extra) > 1:  # the second update's ratios spread, so ACPO widened its bound, by the same on both ranks
         assert min(one_report["acpo_clip_mean"]) > 0.2
         assert two_report["acpo_clip_mean"] == pytest.approx(one_report["acpo_clip_mean"], rel=1e-5)
     for name in rank0:

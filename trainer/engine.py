@@ -14,6 +14,10 @@ not change the update, so:
   backward, so every rank runs the same number of backwards: short ranks pad with empty micro-batches
   (a real forward/backward whose tokens all weigh zero, so every parameter still takes part).
 
+Rows that share a long prefix (the rollouts of one task share their prompt) are packed into one sequence that
+holds the prefix once (``prefix_sharing``): its forward and backward run once per group, with gradients equal
+to training every row in full. ``shared_prefix_min_fraction`` decides which rows share; the rest go row by row.
+
 Log-probs are taken from the decoder's hidden states at the positions that predict a generated token only,
 projected through the output embedding in chunks (recomputed in the backward pass). Agentic rows are mostly
 prompt (tool output, files), so this never builds the ``[tokens, vocab]`` logits of the prompt; with a large
@@ -31,10 +35,18 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
+
+from harnessrl.trainer.prefix_sharing import (
+    PrefixGroup,
+    group_shared_prefixes,
+    pack,
+    shared_prefix_mask,
+    split_to_budget,
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +87,14 @@ class EngineSettings:
     # spec.rollout.topP: below 1 the replicas sample from the smallest set of tokens holding that much probability,
     # renormalised (and processed log-probs are of that distribution), so the learner trains the same one
     top_p: float = 1.0
+    # rows whose common prefix is at least this share of each row's tokens are packed with the prefix computed
+    # once (prefix_sharing); None: every row alone
+    shared_prefix_min_fraction: float | None = 0.5
 
     def __post_init__(self) -> None:
+        if self.shared_prefix_min_fraction is not None and not 0 < self.shared_prefix_min_fraction <= 1:
+            raise ValueError(f"shared_prefix_min_fraction: {self.shared_prefix_min_fraction} must be in (0, 1], "
+                             "or None to train every row alone")
         if not self.temperature > 0:
             raise ValueError(f"temperature: {self.temperature} must be > 0; greedy decoding (spec.rollout.temperature "
                              "0) has no sampling distribution to train: set spec.rollout.temperature above 0")
@@ -179,10 +197,12 @@ class MicroBatch:
     """Right-padded tensors for one forward/backward plus the flattened generated tokens (``K`` of them).
 
     ``target_pos[k]`` is the flat index into ``[B * T]`` of the position whose output predicts token ``k``.
+    A batch of packed prefix groups (:func:`collate_shared`) has a ``[B, 1, T, T]`` bool attention mask and
+    ``position_ids``; several targets may then share a position (a prefix token of several rows).
     """
 
     input_ids: torch.Tensor  # [B, T]
-    attention_mask: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T], or [B, 1, T, T] bool for packed prefix groups
     target_pos: torch.Tensor  # [K] long
     targets: torch.Tensor  # [K] long
     rollout_logprobs: torch.Tensor  # [K] float32
@@ -196,6 +216,9 @@ class MicroBatch:
     # [K, M] long: each target's allowed token ids (TrainRow.allowed), padded with -1; a row of -1: the whole
     # vocabulary. None when no target of the batch has a set.
     allowed: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None  # [B, T] long, packed prefix groups only
+    shared_rows: int = 0  # rows computed in a packed prefix group
+    saved_tokens: int = 0  # row tokens the packed groups did not compute again
 
     @property
     def num_targets(self) -> int:
@@ -213,44 +236,88 @@ def collate(rows: Sequence[TrainRow], pad_id: int = 0) -> MicroBatch:
     length = max(r.num_tokens for r in rows)
     ids = np.full((len(rows), length), pad_id, dtype=np.int64)
     attn = np.zeros((len(rows), length), dtype=np.int64)
-    with_old = {row.old_logprobs is not None for row in rows}
-    if len(with_old) > 1:
-        raise ValueError("rows: some have old_logprobs and some not; a micro-batch belongs to one update, whose "
-                         "rows are either all scored before the step or all not")
-    pos, tgt, old, adv, wts, owner, fresh, before = [], [], [], [], [], [], [], []
-    sets: list[np.ndarray | None] = []
+    targets = _Targets()
     for b, row in enumerate(rows):
         n = row.num_tokens
         ids[b, :n] = row.input_ids
         attn[b, :n] = 1
-        generated = np.flatnonzero(row.loss_mask[1:]) + 1  # token 0 has nothing before it to predict it
-        pos.append(b * length + generated - 1)
-        tgt.append(row.input_ids[generated])
-        old.append(row.rollout_logprobs[generated])
-        adv.append(row.advantages[generated])
-        wts.append(row.weights[generated])
-        owner.append(np.full(generated.shape[0], row.index, dtype=np.int64))
-        fresh.append(np.ones(generated.shape[0], np.float32) if row.on_policy is None
-                     else row.on_policy[generated].astype(np.float32))
-        if row.old_logprobs is not None:
-            before.append(row.old_logprobs[generated])
-        allowed = row.allowed or {}
-        sets.extend(_allowed_set(allowed.get(int(p)), int(row.input_ids[p])) for p in generated)
-    cat = np.concatenate
-    return MicroBatch(
-        input_ids=torch.from_numpy(ids),
-        attention_mask=torch.from_numpy(attn),
-        target_pos=torch.from_numpy(cat(pos).astype(np.int64)),
-        targets=torch.from_numpy(cat(tgt).astype(np.int64)),
-        rollout_logprobs=torch.from_numpy(cat(old).astype(np.float32)),
-        advantages=torch.from_numpy(cat(adv).astype(np.float32)),
-        weights=torch.from_numpy(cat(wts).astype(np.float32)),
-        token_row=torch.from_numpy(cat(owner)),
-        on_policy=torch.from_numpy(cat(fresh)),
-        row_tokens=int(sum(r.num_tokens for r in rows)),
-        old_logprobs=torch.from_numpy(cat(before).astype(np.float32)) if before else None,
-        allowed=_pad_sets(sets),
+        targets.add(row, lambda positions, b=b: b * length + positions)
+    return targets.batch(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(attn),
+                         row_tokens=int(sum(r.num_tokens for r in rows)))
+
+
+def collate_shared(groups: Sequence[PrefixGroup], pad_id: int = 0) -> MicroBatch:
+    """Stack packed prefix groups (``prefix_sharing``) into one right-padded micro-batch: each batch row is one
+    group's prefix followed by its rows' suffixes, with the mask and positions that keep the rows apart."""
+    if not groups:
+        raise ValueError("collate_shared needs at least one group")
+    layouts = [pack(group) for group in groups]
+    length = max(len(layout.input_ids) for layout in layouts)
+    ids = np.full((len(groups), length), pad_id, dtype=np.int64)
+    segments = np.full((len(groups), length), -1, dtype=np.int64)
+    positions = np.zeros((len(groups), length), dtype=np.int64)
+    targets = _Targets()
+    for b, (group, layout) in enumerate(zip(groups, layouts, strict=True)):
+        n = len(layout.input_ids)
+        ids[b, :n], segments[b, :n], positions[b, :n] = layout.input_ids, layout.segment, layout.position_ids
+        for k, row in enumerate(group.rows):
+            targets.add(row, lambda p, b=b, k=k, layout=layout: b * length + layout.packed_index(k, p))
+    return targets.batch(
+        input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(shared_prefix_mask(segments)),
+        position_ids=torch.from_numpy(positions), row_tokens=sum(g.row_tokens for g in groups),
+        shared_rows=sum(len(g.rows) for g in groups), saved_tokens=sum(g.saved_tokens for g in groups),
     )
+
+
+class _Targets:
+    """The flattened generated tokens of a micro-batch's rows, in row order and position order within a row."""
+
+    def __init__(self) -> None:
+        self.pos: list[np.ndarray] = []
+        self.tgt: list[np.ndarray] = []
+        self.old: list[np.ndarray] = []
+        self.adv: list[np.ndarray] = []
+        self.wts: list[np.ndarray] = []
+        self.owner: list[np.ndarray] = []
+        self.fresh: list[np.ndarray] = []
+        self.before: list[np.ndarray] = []
+        self.sets: list[np.ndarray | None] = []
+        self.with_old: set[bool] = set()
+
+    def add(self, row: TrainRow, flat_index: Callable[[np.ndarray], np.ndarray]) -> None:
+        """The row's generated tokens; ``flat_index`` maps row positions to indices into the batch's [B * T]."""
+        generated = np.flatnonzero(row.loss_mask[1:]) + 1  # token 0 has nothing before it to predict it
+        self.pos.append(flat_index(generated - 1))
+        self.tgt.append(row.input_ids[generated])
+        self.old.append(row.rollout_logprobs[generated])
+        self.adv.append(row.advantages[generated])
+        self.wts.append(row.weights[generated])
+        self.owner.append(np.full(generated.shape[0], row.index, dtype=np.int64))
+        self.fresh.append(np.ones(generated.shape[0], np.float32) if row.on_policy is None
+                          else row.on_policy[generated].astype(np.float32))
+        self.with_old.add(row.old_logprobs is not None)
+        if row.old_logprobs is not None:
+            self.before.append(row.old_logprobs[generated])
+        allowed = row.allowed or {}
+        self.sets.extend(_allowed_set(allowed.get(int(p)), int(row.input_ids[p])) for p in generated)
+
+    def batch(self, **tensors: Any) -> MicroBatch:
+        if len(self.with_old) > 1:
+            raise ValueError("rows: some have old_logprobs and some not; a micro-batch belongs to one update, "
+                             "whose rows are either all scored before the step or all not")
+        cat = np.concatenate
+        return MicroBatch(
+            target_pos=torch.from_numpy(cat(self.pos).astype(np.int64)),
+            targets=torch.from_numpy(cat(self.tgt).astype(np.int64)),
+            rollout_logprobs=torch.from_numpy(cat(self.old).astype(np.float32)),
+            advantages=torch.from_numpy(cat(self.adv).astype(np.float32)),
+            weights=torch.from_numpy(cat(self.wts).astype(np.float32)),
+            token_row=torch.from_numpy(cat(self.owner)),
+            on_policy=torch.from_numpy(cat(self.fresh)),
+            old_logprobs=torch.from_numpy(cat(self.before).astype(np.float32)) if self.before else None,
+            allowed=_pad_sets(self.sets),
+            **tensors,
+        )
 
 
 def _allowed_set(ids: np.ndarray | None, target: int) -> np.ndarray | None:
@@ -290,7 +357,20 @@ def padding_micro_batch(pad_id: int = 0) -> MicroBatch:
     )
 
 
-def plan_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list[TrainRow]]:
+class _Sequence(Protocol):
+    """What micro-batch planning needs of a row or of a packed prefix group."""
+
+    @property
+    def index(self) -> int: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=_Sequence)
+
+
+def plan_micro_batches(rows: Sequence[_S], token_budget: int) -> list[list[_S]]:
     """Group rows so that each padded micro-batch (rows x longest row) stays within ``token_budget``.
 
     Rows are taken longest first so similar lengths share a batch (little padding); a row longer than the
@@ -298,8 +378,8 @@ def plan_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list
     Deterministic: the same rows always give the same plan.
     """
     ordered = sorted(rows, key=lambda r: (-r.num_tokens, r.index))
-    plan: list[list[TrainRow]] = []
-    current: list[TrainRow] = []
+    plan: list[list[_S]] = []
+    current: list[_S] = []
     for row in ordered:
         longest = current[0].num_tokens if current else row.num_tokens
         if current and (len(current) + 1) * longest > token_budget:
@@ -311,15 +391,53 @@ def plan_micro_batches(rows: Sequence[TrainRow], token_budget: int) -> list[list
     return plan
 
 
-def shard_rows(rows: Sequence[TrainRow], world_size: int) -> list[list[TrainRow]]:
-    """Split rows over ranks so each gets about the same number of tokens (longest first, to the lightest)."""
+def shard_rows(rows: Sequence[TrainRow], world_size: int, shared_prefix_min_fraction: float | None = None,
+               token_budget: int | None = None) -> list[list[TrainRow]]:
+    """Split rows over ranks so each gets about the same number of computed tokens (longest first, to the
+    lightest). With ``shared_prefix_min_fraction``, rows the engine will pack with a shared prefix (in pieces
+    of at most ``token_budget`` tokens) go to one rank together, their prefix counted once, so sharding does
+    not undo the sharing."""
+    units: list[tuple[int, int, list[TrainRow]]] = [(r.num_tokens, r.index, [r]) for r in rows]
+    if shared_prefix_min_fraction is not None:
+        groups, alone = group_shared_prefixes(rows, shared_prefix_min_fraction)
+        pieces = [p for g in groups for p in split_to_budget(g, token_budget or sum(r.num_tokens for r in rows))]
+        units = [(r.num_tokens, r.index, [r]) for r in alone] + [
+            (p.num_tokens, p.index, list(p.rows)) if isinstance(p, PrefixGroup) else (p.num_tokens, p.index, [p])
+            for p in pieces]
     shards: list[list[TrainRow]] = [[] for _ in range(world_size)]
     load = [0] * world_size
-    for row in sorted(rows, key=lambda r: (-r.num_tokens, r.index)):
+    for tokens, _, members in sorted(units, key=lambda u: (-u[0], u[1])):
         target = min(range(world_size), key=lambda i: (load[i], i))
-        shards[target].append(row)
-        load[target] += row.num_tokens
+        shards[target].extend(members)
+        load[target] += tokens
     return shards
+
+
+def plan_shared_micro_batches(rows: Sequence[TrainRow], token_budget: int, min_fraction: float,
+                              pad_id: int = 0) -> list[MicroBatch]:
+    """Micro-batches with the rows that share a prefix packed (``prefix_sharing``), the others as before.
+
+    A group's packed sequence longer than the budget is cut into pieces that each carry the prefix (a piece of
+    one row goes alone); packed sequences are then batched by the same rule as rows (batch x longest within the
+    budget). Rows sharing too little get exactly today's micro-batches.
+    """
+    groups, alone = group_shared_prefixes(rows, min_fraction)
+    pieces = [piece for group in groups for piece in split_to_budget(group, token_budget)]
+    alone = alone + [p for p in pieces if not isinstance(p, PrefixGroup)]
+    packed = [p for p in pieces if isinstance(p, PrefixGroup)]
+    return ([collate(batch, pad_id) for batch in plan_micro_batches(alone, token_budget)]
+            + [collate_shared(batch, pad_id) for batch in plan_micro_batches(packed, token_budget)])
+
+
+def supports_prefix_sharing(config: Any) -> bool:
+    """Whether the model takes a ready shared-prefix mask: attention ``sdpa`` or ``eager`` (FlashAttention-2
+    takes no arbitrary mask) and no sliding-window layer (the window would have to be part of the mask)."""
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any(t != "full_attention" for t in layer_types):
+        return False
+    return not (getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -341,6 +459,9 @@ class StepResult:
     micro_batches: int  # per rank, padding included
     padding_micro_batches: int  # empty passes that kept short ranks in step, all ranks
     seconds: float
+    shared_prefix_rows: int = 0  # rows trained in a packed prefix group, all ranks
+    prefix_fallback_rows: int = 0  # rows trained alone (sharing too little, or sharing off), all ranks
+    shared_prefix_tokens: int = 0  # row tokens not computed again thanks to a shared prefix, all ranks
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -407,6 +528,12 @@ class PolicyEngine:
                 target_modules=list(lora.target_modules), task_type="CAUSAL_LM",
             ))
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.attn_implementation = model.config._attn_implementation
+        self.shared_prefix_min_fraction = settings.shared_prefix_min_fraction
+        if self.shared_prefix_min_fraction is not None and not supports_prefix_sharing(model.config):
+            log.warning("model %s (attention %s) cannot take a shared-prefix mask: every row trains alone",
+                        self.model_dir, self.attn_implementation)
+            self.shared_prefix_min_fraction = None
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds_config = deepspeed_config(settings, self.dist.world_size, self.bf16)
         with _launcher_env(self.dist):
@@ -432,7 +559,12 @@ class PolicyEngine:
     def token_logprobs(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs (with grad) and entropies (without) of the micro-batch's generated tokens, in fp32."""
         lm = self._causal_lm()
-        hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+        mask = mb.attention_mask
+        if mask.dim() == 4 and self.attn_implementation == "eager":  # eager adds the mask to the scores
+            dtype = lm.get_input_embeddings().weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mask,
+                                  position_ids=mb.position_ids).last_hidden_state
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.target_pos)
         head = lm.get_output_embeddings()
         logps, entropies = [], []
@@ -476,7 +608,10 @@ class PolicyEngine:
 
     def _padded_plan(self, rows: Sequence[TrainRow]) -> list[MicroBatch]:
         """This rank's micro-batches, padded with empty ones to the most any rank has (collective)."""
-        plan = [collate(group, self.pad_id) for group in plan_micro_batches(rows, self.settings.micro_batch_tokens)]
+        budget = self.settings.micro_batch_tokens
+        plan = [collate(batch, self.pad_id) for batch in plan_micro_batches(rows, budget)] \
+            if self.shared_prefix_min_fraction is None else plan_shared_micro_batches(
+                rows, budget, self.shared_prefix_min_fraction, self.pad_id)
         count = torch.tensor([len(plan)], dtype=torch.long)
         torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
         return plan + [padding_micro_batch(self.pad_id) for _ in range(int(count.item()) - len(plan))]
@@ -491,7 +626,7 @@ class PolicyEngine:
         scale = float(self.dist.world_size)  # undo DeepSpeed's average over ranks: we want the sum
         loss_sum = torch.zeros((), dtype=torch.float64)
         stat_sums: dict[str, torch.Tensor] = {}
-        row_tokens = target_tokens = 0
+        row_tokens = target_tokens = shared_rows = saved_tokens = fallback_rows = 0
         for mb in plan:
             mb = mb.to(self.dist.device)
             logp, entropy = self.token_logprobs(mb)
@@ -503,10 +638,14 @@ class PolicyEngine:
             if not mb.padding:
                 row_tokens += mb.row_tokens
                 target_tokens += mb.num_targets
+                shared_rows += mb.shared_rows
+                saved_tokens += mb.saved_tokens
+                fallback_rows += 0 if mb.shared_rows else int(mb.input_ids.shape[0])
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         names = sorted(stat_sums)
-        counts = [float(row_tokens), float(target_tokens), float(padding)]
+        counts = [float(row_tokens), float(target_tokens), float(padding), float(shared_rows), float(fallback_rows),
+                  float(saved_tokens)]
         packed = torch.stack([loss_sum, *[torch.tensor(c, dtype=torch.float64) for c in counts],
                               *[stat_sums[n] for n in names]])
         torch.distributed.all_reduce(packed)  # sums over ranks; every rank must return the same stat names
@@ -514,12 +653,15 @@ class PolicyEngine:
         return StepResult(
             loss=values[0],
             grad_norm=float(grad_norm) if grad_norm is not None else math.nan,
-            stats=dict(zip(names, values[4:])),
+            stats=dict(zip(names, values[1 + len(counts):])),
             row_tokens=int(values[1]),
             target_tokens=int(values[2]),
             micro_batches=len(plan),
             padding_micro_batches=int(values[3]),
             seconds=time.perf_counter() - started,
+            shared_prefix_rows=int(values[4]),
+            prefix_fallback_rows=int(values[5]),
+            shared_prefix_tokens=int(values[6]),
         )
 
     # -- state -------------------------------------------------------------------------------------------------

@@ -298,7 +298,8 @@ class Learner:
         if self.main:
             assert claim is not None
             parts, info = self._build_batch(claim)
-            shards = [shard_rows(part, self.dist.world_size) for part in parts]
+            shards = [shard_rows(part, self.dist.world_size, self.engine.shared_prefix_min_fraction,
+                                 self.settings.engine.micro_batch_tokens) for part in parts]
             payload = [_Plan(step, [s[rank] for s in shards], not parts) for rank in range(self.dist.world_size)]
         mine: list[Any] = [None]
         torch.distributed.scatter_object_list(mine, payload if self.main else None, src=0)
@@ -638,6 +639,9 @@ def _merge_updates(results: list[StepResult], seconds: float) -> StepResult:
         micro_batches=sum(r.micro_batches for r in results),
         padding_micro_batches=sum(r.padding_micro_batches for r in results),
         seconds=seconds,
+        shared_prefix_rows=sum(r.shared_prefix_rows for r in results),
+        prefix_fallback_rows=sum(r.prefix_fallback_rows for r in results),
+        shared_prefix_tokens=sum(r.shared_prefix_tokens for r in results),
     )
 
 
@@ -667,6 +671,9 @@ def _step_metrics(step: int, version: int, info: dict[str, Any], result: Any, tr
         micro_batches=result.micro_batches,
         padding_micro_batches=result.padding_micro_batches,
         tokens_per_second=result.tokens_per_second,
+        shared_prefix_rows=result.shared_prefix_rows,
+        prefix_fallback_rows=result.prefix_fallback_rows,
+        shared_prefix_tokens=result.shared_prefix_tokens,
     )
     return metrics
 

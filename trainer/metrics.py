@@ -70,6 +70,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "forced_tokens": ("forced_tokens", "Generated tokens with behaviour log-prob 0 (a grammar allowed only them): "
                                        "context, not trained."),
     "constrained_tokens": ("constrained_tokens", "Trained tokens scored over the token ids a grammar allowed."),
+    "shared_prefix_rows": ("shared_prefix_rows", "Rows trained with their group's common prefix computed once."),
+    "prefix_fallback_rows": ("prefix_fallback_rows", "Rows trained alone: they shared less than "
+                                                     "shared_prefix_min_fraction of their tokens with another row."),
+    "shared_prefix_tokens": ("shared_prefix_tokens", "Row tokens not computed again because their group's "
+                                                     "prefix was computed once."),
     "empty_step": ("empty_steps", "Steps with no trainable group: weights kept, nothing saved or reloaded."),
 }
 
