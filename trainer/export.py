@@ -265,20 +265,13 @@ def _has_tokenizer(path: Path) -> bool:
 def resolve_source(target: str, run: str | None, checkpoints: Path | None) -> ExportSource:
     """A run directory (``runs/NAME``: its ``run.json`` names the store and run, ``checkpoints/`` beside it) or a
     store URL with ``--run`` (and ``--checkpoints`` when the stored checkpoint paths moved)."""
-    from harnessrl.local.report import read_run_file
+    from harnessrl.local.report import run_and_store
 
-    if "://" in target:
-        if not run:
-            raise ExportError(f"{target}: a store URL needs --run NAME (the TrainingRun's name)")
-        return ExportSource(target, run, checkpoints)
-    run_dir = Path(target)
-    if not run_dir.is_dir():
-        raise ExportError(f"{target} is neither a run directory nor a store URL (sqlite:///PATH, "
-                          "postgresql+psycopg://...)")
-    stored_run, url = read_run_file(run_dir)
-    if run and run != stored_run:
-        raise ExportError(f"--run {run}: the run directory {run_dir} belongs to run {stored_run!r}; drop --run")
-    return ExportSource(url, stored_run, checkpoints or run_dir / "checkpoints")
+    try:
+        name, url, run_dir = run_and_store(target, run)
+    except ValueError as exc:
+        raise ExportError(str(exc)) from None
+    return ExportSource(url, name, checkpoints or (run_dir / "checkpoints" if run_dir else None))
 
 
 @click.command("export")

@@ -46,16 +46,18 @@ def run_command(spec_file: Path, run_dir: Path | None, store_url: str | None, op
 
 
 @click.command("status")
-@click.argument("run_dir", type=click.Path(file_okay=False, path_type=Path))
-def status_command(run_dir: Path) -> None:
-    """Print a run's progress, per-step rewards and rollout totals from its store."""
+@click.argument("source", metavar="RUN_DIR_OR_STORE")
+@click.option("--run", "run_name", help="Run name, with a store URL (a run directory names its own).")
+def status_command(source: str, run_name: str | None) -> None:
+    """Print a run's progress, per-step rewards and rollout totals from its store: a `harnessrl run`
+    directory, or the store URL of a cluster's runs with --run NAME."""
     from rich.console import Console
 
-    from harnessrl.local.report import progress_line, read_run_file, summarize, summary_table
+    from harnessrl.local.report import progress_line, run_and_store, summarize, summary_table
     from harnessrl.store import StoreError, TraceStore
 
     try:
-        run, url = read_run_file(run_dir)
+        run, url, _ = run_and_store(source, run_name)
         store = TraceStore.connect(url)
         summary = summarize(store, run)
         store.close()

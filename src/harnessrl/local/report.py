@@ -218,6 +218,23 @@ def write_run_file(run_dir: Path, run: str, store_url: str) -> None:
     (run_dir / RUN_FILE).write_text(json.dumps({"run": run, "store": store_url}, indent=2) + "\n")
 
 
+def run_and_store(target: str, run: str | None) -> tuple[str, str, Path | None]:
+    """(run name, store URL, run directory) from a run directory (its ``run.json`` names both) or from a store
+    URL and ``--run NAME`` (a run an operator made: its traces are in the cluster's store, with no directory)."""
+    if "://" in target:
+        if not run:
+            raise ValueError(f"{target}: a store URL needs --run NAME (the TrainingRun's name)")
+        return run, target, None
+    run_dir = Path(target)
+    if not run_dir.is_dir():
+        raise ValueError(f"{target} is neither a run directory nor a store URL (sqlite:///PATH, "
+                         "postgresql+psycopg://...)")
+    stored_run, url = read_run_file(run_dir)
+    if run and run != stored_run:
+        raise ValueError(f"--run {run}: the run directory {run_dir} belongs to run {stored_run!r}; drop --run")
+    return stored_run, url, run_dir
+
+
 def read_run_file(run_dir: Path) -> tuple[str, str]:
     path = run_dir / RUN_FILE
     try:
