@@ -43,6 +43,7 @@ RENDERINGS = {
         *OPTIONAL_APIS,
     ),
     "minimal": ("--set", "webhook.enabled=false,operator.metricsPort=0,monitoring.enabled=false"),
+    "ui-embedded-postgres": ("--set", "ui.enabled=true"),
 }
 
 
@@ -164,6 +165,8 @@ def test_every_values_field_is_documented() -> None:
         ("operator.replicas=2", "/operator"),  # an unknown field (standalone kopf runs one replica)
         ("image.digest=latest", "/image/digest"),
         ("monitoring.interval=often", "/monitoring/interval"),
+        ("ui.port=web", "/ui/port"),
+        ("ui.colour=blue", "/ui"),
     ],
 )
 def test_wrong_values_are_refused_naming_the_field(helm: Path, setting: str, field: str) -> None:
@@ -231,20 +234,31 @@ def test_the_generated_certificate_is_signed_by_the_bundle_for_the_service_name(
 def _containers(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
     out = []
     for doc in docs:
-        if doc["kind"] in ("Deployment", "StatefulSet"):
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job"):
             pod = doc["spec"]["template"]["spec"]
             for container in pod.get("initContainers", []) + pod["containers"]:
                 out.append((f"{doc['kind']}/{container['name']}", pod, container))
     return out
 
 
-@pytest.mark.parametrize("rendering", ["defaults", "all-options-embedded-postgres-cert-manager"])
-def test_every_container_is_non_root_read_only_with_resources(helm: Path, rendering: str) -> None:
+def component(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    """The one object of ``kind`` labelled app.kubernetes.io/component ``name`` (operator, ui, postgresql)."""
+    found = [d for d in by_kind(docs, kind) if d["metadata"]["labels"].get("app.kubernetes.io/component") == name]
+    assert len(found) == 1, f"expected one {kind} of {name}, got {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+@pytest.mark.parametrize(("rendering", "extra"), [
+    ("defaults", set()),
+    ("all-options-embedded-postgres-cert-manager", {"Deployment/ui"}),
+    ("ui-embedded-postgres", {"Deployment/ui", "Job/ui-role"}),
+])
+def test_every_container_is_non_root_read_only_with_resources(helm: Path, rendering: str, extra: set[str]) -> None:
     docs = render(helm, *RENDERINGS[rendering])
     containers = _containers(docs)
     assert {name for name, _, _ in containers} == {
         "Deployment/db-upgrade", "Deployment/operator", "StatefulSet/postgresql"
-    }
+    } | extra
     for name, pod, container in containers:
         assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0, name
         context = container["securityContext"]
@@ -261,7 +275,7 @@ def test_the_operator_deployment_speaks_the_operators_real_cli_and_settings(helm
     from harnessrl.operator.webhook import WebhookSettings
 
     docs = render(helm, *RENDERINGS["all-options"])
-    deployment = one(docs, "Deployment")
+    deployment = component(docs, "Deployment", "operator")
     pod = deployment["spec"]["template"]["spec"]
     operator = next(c for c in pod["containers"] if c["name"] == "operator")
     context = main.make_context("harnessrl", list(operator["args"]))
@@ -429,3 +443,98 @@ def test_dashboards_are_configmaps_for_the_grafana_sidecar(helm: Path) -> None:
         (file_name, text), = config_map["data"].items()
         assert json.loads(text) == json.loads((CHART / "dashboards" / file_name).read_text())
     assert not by_kind(render(helm, "--set", "dashboards.enabled=false"), "ConfigMap")
+
+
+def test_the_ui_deployment_speaks_the_real_cli_and_reads_its_own_secret(helm: Path) -> None:
+    """`harnessrl ui`'s real click parser takes the rendered arguments; the store URL is the read-only one the
+    user named, and the Service reaches the container's port."""
+    from harnessrl.cli import main
+
+    docs = render(helm, *RENDERINGS["all-options"])
+    deployment = component(docs, "Deployment", "ui")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "registry.example.com/harnessrl/ui:0.1.0-rc1"
+    context = main.make_context("harnessrl", list(container["args"]))
+    command = main.get_command(context, container["args"][0])
+    url = next(v for v in container["env"] if v["name"] == "HARNESSRL_STORE_URL")
+    assert url["valueFrom"]["secretKeyRef"] == {"name": "ui-readonly-store", "key": "dsn"}
+    params = command.make_context("ui", list(container["args"][1:]), default_map={"store_url": "x"}).params
+    assert params["port"] == 8600 and params["host"] == "0.0.0.0"
+    assert "HARNESSRL_STORE_URL" in {p.envvar for p in command.params if getattr(p, "envvar", None)}
+    service = component(docs, "Service", "ui")
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["ports"][0]["port"] == 8600 and service["spec"]["ports"][0]["targetPort"] == "http"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8600}
+    assert "Job" not in {d["kind"] for d in docs}  # a role the user made: the chart creates none
+    assert not by_kind(render(helm), "Deployment")[1:]  # off by default: the operator alone
+
+
+def test_the_ui_with_the_embedded_postgresql_gets_a_read_only_role(helm: Path) -> None:
+    from sqlalchemy.engine import make_url
+
+    docs = render(helm, *RENDERINGS["ui-embedded-postgres"])
+    secret = next(s for s in by_kind(docs, "Secret") if s["metadata"]["name"] == "hrl-harnessrl-ui-store")
+    url = make_url(base64.b64decode(secret["data"]["url"]).decode())
+    assert url.username == "harnessrl_ui" and url.password == base64.b64decode(secret["data"]["password"]).decode()
+    assert url.host == f"hrl-harnessrl-postgresql.{NAMESPACE}.svc" and url.database == "harnessrl"
+    job = one(docs, "Job")
+    assert job["metadata"]["annotations"]["helm.sh/hook"] == "post-install,post-upgrade"
+    env = {v["name"]: v for v in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "hrl-harnessrl-postgresql", "key": "password"}
+    assert env["UI_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "hrl-harnessrl-ui-store"
+    script = component(docs, "ConfigMap", "ui")["data"]["ui-readonly-role.sql"]
+    assert script.strip() == (CHART / "files" / "ui-readonly-role.sql").read_text().strip()
+    ui = component(docs, "Deployment", "ui")["spec"]["template"]["spec"]
+    assert ui["automountServiceAccountToken"] is False
+    assert "PGPASSWORD" not in str(ui)  # the UI pod never sees the owner's password
+
+
+@pytest.mark.postgres
+def test_the_ui_role_script_reads_every_table_and_writes_none(pg_url: str) -> None:
+    """The chart's SQL, run by psql as the tables' owner on a real PostgreSQL before and after the migrations:
+    the role reads every table (later ones included) and cannot write."""
+    import shutil
+
+    from sqlalchemy import text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import DBAPIError
+
+    from harnessrl.store import TraceStore
+
+    psql = shutil.which("psql")
+    if psql is None:
+        pytest.fail("no psql (Debian's postgresql-client, installed with PostgreSQL by scripts/test.sh)")
+    owner = make_url(pg_url)
+    libpq = owner.set(drivername="postgresql").render_as_string(hide_password=False)
+    sql = CHART / "files" / "ui-readonly-role.sql"
+    role = "harnessrl_ui_test"
+
+    def run_script() -> None:
+        subprocess.run([psql, libpq, "-q", "-v", "ON_ERROR_STOP=1", "-v", f"ui_role={role}", "-v",
+                        "ui_password=pw'with\"quotes", "-f", str(sql)], check=True, capture_output=True, text=True)
+
+    run_script()  # before the tables exist: default privileges cover them
+    store = TraceStore.connect(pg_url)
+    store.upgrade()
+    store.add_tasks("r", [{"id": "t"}])
+    store.close()
+    run_script()  # again, as after an upgrade: idempotent
+    reader = TraceStore.connect(owner.set(username=role, password="pw'with\"quotes"))
+    try:
+        with reader.engine.connect() as conn:
+            assert conn.execute(text("SELECT count(*) FROM tasks")).scalar() == 1
+            assert conn.execute(text("SELECT count(*) FROM llm_calls")).scalar() == 0
+        with reader.engine.connect() as conn, pytest.raises(DBAPIError, match="read-only transaction"):
+            conn.execute(text("INSERT INTO runs (name, created_at) VALUES ('x', now())"))
+        with reader.engine.connect() as conn, pytest.raises(DBAPIError, match="permission denied"):
+            conn.execute(text("SET SESSION CHARACTERISTICS AS TRANSACTION READ WRITE"))  # lifting the default
+            conn.commit()
+            conn.execute(text("INSERT INTO runs (name, created_at) VALUES ('x', now())"))
+    finally:
+        reader.close()
+        admin = TraceStore.connect(pg_url)
+        with admin.engine.connect() as conn:
+            conn.execute(text(f"DROP OWNED BY {role}"))
+            conn.execute(text(f"DROP ROLE {role}"))
+            conn.commit()
+        admin.close()
