@@ -102,6 +102,42 @@ def pod_scheduling(scheduling: Scheduling) -> dict[str, Any]:
     return out
 
 
+CACHE_DIR = "/var/cache/harnessrl"
+"""Where the learner's and vLLM's containers keep what their libraries cache (an emptyDir): their root
+filesystems are read-only, and each library otherwise writes under ``$HOME`` or a path of its own."""
+CACHE_ENV = {
+    "HOME": CACHE_DIR,
+    "XDG_CACHE_HOME": f"{CACHE_DIR}/xdg-cache",
+    "XDG_CONFIG_HOME": f"{CACHE_DIR}/xdg-config",
+    "HF_HOME": f"{CACHE_DIR}/huggingface",
+    "TORCH_HOME": f"{CACHE_DIR}/torch",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE_DIR}/torchinductor",
+    "TRITON_CACHE_DIR": f"{CACHE_DIR}/triton",
+    "TORCH_EXTENSIONS_DIR": f"{CACHE_DIR}/torch_extensions",  # DeepSpeed's JIT-built ops land here
+    "MPLCONFIGDIR": f"{CACHE_DIR}/matplotlib",
+    "TMPDIR": "/tmp",
+}
+"""HOME and every cache directory torch, triton, inductor, DeepSpeed, transformers and huggingface_hub read,
+pointed at the cache volume; vLLM adds its own (``render_rollout.VLLM_CACHE_ENV``)."""
+
+
+def writable_paths() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The emptyDirs behind ``CACHE_ENV`` (the cache and ``/tmp``), as pod volumes and container mounts."""
+    volumes = [{"name": "cache", "emptyDir": {}}, {"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "cache", "mountPath": CACHE_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    return volumes, mounts
+
+
+def cache_env(extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    return [env(name, value) for name, value in {**CACHE_ENV, **(extra or {})}.items()]
+
+
+def read_only_root() -> dict[str, Any]:
+    """The learner's and vLLM's container security: a read-only root filesystem (they write only to their
+    volumes) and no privilege escalation. Their images decide the user (vLLM's runs as root)."""
+    return {"readOnlyRootFilesystem": True, "allowPrivilegeEscalation": False}
+
+
 @dataclass(frozen=True)
 class Claim:
     """A PersistentVolumeClaim a container mounts; ``field`` names it in the spec for error messages."""

@@ -16,14 +16,18 @@ from typing import Any
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render_common import (
+    cache_env,
     claim_volumes,
     container_resources,
     env,
     env_from_field,
     env_from_secret,
+    merge_env,
     pod_scheduling,
+    read_only_root,
     replica_targets,
     run_claims,
+    writable_paths,
 )
 from harnessrl.operator.render_secret import SPEC_KEY, run_secret_name, store_url_env
 from harnessrl.spec.models import TrainingRun
@@ -36,6 +40,8 @@ WORK_DIR = "/var/lib/harnessrl"
 run directory of ``harnessrl run``."""
 SPEC_DIR = "/etc/harnessrl/run"
 HUB_MODEL_DIR = f"{WORK_DIR}/model"
+LEARNER_GID = 65532
+"""The learner image's group: claims are made writable for it (``fsGroup``), whatever uid owns a fresh volume."""
 COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 RESTARTS_PER_NODE = 3
 HUB_DOWNLOAD = (
@@ -89,7 +95,7 @@ def learner_command(run: TrainingRun) -> list[str]:
 def learner_env(run: TrainingRun, config: OperatorConfig) -> list[dict[str, Any]]:
     name = run.metadata.name
     learner = run.spec.learner
-    return [
+    return cache_env() + [
         env("MASTER_ADDR", f"{naming.learner_name(name)}-0.{naming.learner_name(name)}"),
         env("MASTER_PORT", str(MASTER_PORT)),
         env("NNODES", str(learner.nodes)),
@@ -110,8 +116,9 @@ def hub_download_container(run: TrainingRun, image: str, mounts: list[dict[str, 
         "name": "model",
         "image": image,
         "command": ["python3", "-c", HUB_DOWNLOAD],
-        "env": variables,
+        "env": merge_env(cache_env(), variables),
         "volumeMounts": mounts,
+        "securityContext": read_only_root(),
     }
 
 
@@ -126,6 +133,9 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
       the failure is not transient and the run fails (LearnerCrashed) instead of holding GPUs.
     - init containers: ``harnessrl db upgrade`` so the schema exists before any rank opens the store (safe
       from several pods at once), and for a hub model the download ``--model`` needs.
+    - the pod's ``fsGroup`` (with ``OnRootMismatch``) makes a fresh checkpoint claim writable for the learner
+      image's user; every container's root filesystem is read-only, with HOME and the caches of torch,
+      triton, inductor, DeepSpeed's JIT ops and huggingface on an emptyDir (``render_common.CACHE_ENV``).
     - the pod template is immutable once the Job exists, as ``spec.learner`` is once the run exists (the
       CRD refuses a change, see ``harnessrl.spec.changes``).
     """
@@ -133,7 +143,8 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
     learner = run.spec.learner
     image = learner_image(run, config)
     volumes, mounts = claim_volumes(run_claims(run, checkpoints_read_only=False))
-    volumes += [
+    scratch_volumes, scratch = writable_paths()
+    volumes += scratch_volumes + [
         {"name": "work", "emptyDir": {}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {
@@ -141,17 +152,26 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
             "secret": {"secretName": run_secret_name(name), "items": [{"key": SPEC_KEY, "path": SPEC_KEY}]},
         },
     ]
-    mounts += [
+    mounts += scratch + [
         {"name": "work", "mountPath": WORK_DIR},
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "spec", "mountPath": SPEC_DIR, "readOnly": True},
     ]
     store = store_url_env(run, config)
     init_containers = [
-        {"name": "db-upgrade", "image": image, "command": ["harnessrl", "db", "upgrade"], "env": [store]}
+        {
+            "name": "db-upgrade",
+            "image": image,
+            "command": ["harnessrl", "db", "upgrade"],
+            "env": [*cache_env(), store],
+            "volumeMounts": writable_paths()[1],
+            "securityContext": read_only_root(),
+        }
     ]
     if run.spec.model.hub is not None:
-        init_containers.append(hub_download_container(run, image, [{"name": "work", "mountPath": WORK_DIR}]))
+        init_containers.append(
+            hub_download_container(run, image, [*writable_paths()[1], {"name": "work", "mountPath": WORK_DIR}])
+        )
     container: dict[str, Any] = {
         "name": "learner",
         "image": image,
@@ -163,6 +183,7 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
             {"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"},
         ],
         "volumeMounts": mounts,
+        "securityContext": read_only_root(),
     }
     resources = container_resources(learner.resources, learner.gpus_per_node)
     if resources:
@@ -183,6 +204,9 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
                     "restartPolicy": "OnFailure",
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
+                    # A fresh claim belongs to root: the kubelet gives it the learner's group (only when its
+                    # root's group differs, so a large checkpoint volume is not walked at every start).
+                    "securityContext": {"fsGroup": LEARNER_GID, "fsGroupChangePolicy": "OnRootMismatch"},
                     "initContainers": init_containers,
                     "containers": [container],
                     "volumes": volumes,

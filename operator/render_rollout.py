@@ -15,21 +15,30 @@ from typing import Any
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render_common import (
+    CACHE_DIR,
+    cache_env,
     claim_volumes,
     container_resources,
     env,
     env_from_secret,
     merge_env,
     pod_scheduling,
+    read_only_root,
     run_claims,
     spec_env,
+    writable_paths,
 )
 from harnessrl.policy_serving import continuity_flags, is_lora, lora_flags, served_model_name
 from harnessrl.spec.models import TrainingRun
 
-HF_CACHE = "/root/.cache/huggingface"
-"""Where vLLM keeps hub downloads (``HF_HOME`` of the image's root user); an emptyDir, so a replica
-downloads once per pod and the node's disk is returned when the pod goes."""
+VLLM_CACHE_ENV = {
+    "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
+    "VLLM_CONFIG_ROOT": f"{CACHE_DIR}/vllm-config",
+    "NUMBA_CACHE_DIR": f"{CACHE_DIR}/numba",
+}
+"""vLLM's own cache and config roots (torch.compile artefacts, usage-stats files) and numba's, beside the ones
+every renderer sets (``render_common.CACHE_ENV``); hub downloads land in ``HF_HOME`` there too, an emptyDir,
+so a replica downloads once per pod and the node's disk is returned when the pod goes."""
 PROBE_PERIOD_SECONDS = 10
 
 
@@ -62,6 +71,7 @@ def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:
     """Ours first, then the spec's: a user may tune vLLM's variables, including ours."""
     spec = run.spec
     ours = [env("VLLM_SERVER_DEV_MODE", "1"), env("VLLM_NO_USAGE_STATS", "1"), env("DO_NOT_TRACK", "1")]
+    ours += cache_env(VLLM_CACHE_ENV)
     if is_lora(spec):
         ours.append(env("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True"))
     hub = spec.model.hub
@@ -92,8 +102,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     spec = run.spec
     _, mounts = claim_volumes(run_claims(run, checkpoints_read_only=True))
     mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
-    if spec.model.hub is not None:
-        mounts.append({"name": "hf-cache", "mountPath": HF_CACHE})
+    mounts += writable_paths()[1]
     startup_failures = math.ceil(config.provisioning_timeout_seconds / PROBE_PERIOD_SECONDS)
     container: dict[str, Any] = {
         "name": "vllm",
@@ -106,6 +115,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
         "readinessProbe": _http_probe("/health", 5, 3, 5),
         "livenessProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 6, 10),
         "volumeMounts": mounts,
+        "securityContext": read_only_root(),
     }
     resources = container_resources(spec.rollout.resources, spec.rollout.gpus_per_replica)
     if resources:
@@ -117,9 +127,7 @@ def rollout_volumes(run: TrainingRun) -> list[dict[str, Any]]:
     spec = run.spec
     volumes, _ = claim_volumes(run_claims(run, checkpoints_read_only=True))
     volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
-    if spec.model.hub is not None:
-        volumes.append({"name": "hf-cache", "emptyDir": {}})
-    return volumes
+    return volumes + writable_paths()[0]
 
 
 def render_rollout_deployment(

@@ -24,7 +24,7 @@ from harnessrl.local.runner import SERVED_MODEL_NAME as LOCAL_SERVED_MODEL_NAME
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.render import render_harness_pod, render_run_children
-from harnessrl.operator.render_common import SERVED_MODEL_NAME
+from harnessrl.operator.render_common import CACHE_DIR, SERVED_MODEL_NAME
 from harnessrl.operator.render_learner import render_learner_job
 from harnessrl.operator.render_network import render_network_policy
 from harnessrl.operator.render_rollout import render_rollout_deployment
@@ -466,7 +466,7 @@ def test_hub_model_reads_its_token_from_the_secret() -> None:
     assert server["args"][server["args"].index("--revision") + 1] == "main"
     assert env_of(server)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "t"}}
     assert "HF_HUB_OFFLINE" not in env_of(server)
-    assert {"name": "hf-cache", "mountPath": "/root/.cache/huggingface"} in server["volumeMounts"]
+    assert env_of(server)["HF_HOME"].startswith(CACHE_DIR) and "--download-dir" not in server["args"]
     job_spec = render_learner_job(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
     download = container(job_spec, "model")
     assert env_of(download)["HF_TOKEN"] == {"secretKeyRef": {"name": "hf", "key": "t"}}
@@ -698,3 +698,51 @@ def test_each_components_scheduling_reaches_its_pods_and_only_its_pods() -> None
     for obj in plain:
         pod = obj["spec"]["template"]["spec"] if obj["kind"] in ("Deployment", "Job") else obj.get("spec", {})
         assert not fields & set(pod), obj["kind"]
+
+
+# --- writable paths under read-only root filesystems -----------------------------------------------------------
+
+CACHE_VARIABLES = (
+    "HOME", "XDG_CACHE_HOME", "HF_HOME", "TORCH_HOME", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR",
+    "TORCH_EXTENSIONS_DIR", "TMPDIR",
+)  # fmt: skip
+
+
+def writable_mounts(pod: dict[str, Any], item: dict[str, Any]) -> list[str]:
+    """The mount paths of ``item`` the container may write: emptyDirs and claims not mounted read-only."""
+    kinds = {volume["name"]: volume for volume in pod["volumes"]}
+    return [
+        mount["mountPath"]
+        for mount in item.get("volumeMounts", [])
+        if not mount.get("readOnly") and {"emptyDir", "persistentVolumeClaim"} & set(kinds[mount["name"]])
+    ]
+
+
+@pytest.mark.parametrize("name", ["trainingrun-cluster", "hub-model"])
+def test_learner_and_vllm_write_only_to_volumes(name: str) -> None:
+    """Every learner and vLLM container has a read-only root filesystem, and HOME and each cache directory
+    (torch, triton, inductor, DeepSpeed's extensions, huggingface, vLLM's own) lie on a writable volume; the
+    learner's pod gives fresh claims its group without walking a large volume at every start."""
+    run = all_runs()[name]
+    deployment = render_rollout_deployment(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    job = render_learner_job(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    assert job["securityContext"] == {"fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+    checked = 0
+    for pod in (deployment, job):
+        for item in [*pod.get("initContainers", []), *pod["containers"]]:
+            assert item["securityContext"]["readOnlyRootFilesystem"] is True, item["name"]
+            writable = writable_mounts(pod, item)
+            variables = env_of(item)
+            wanted = CACHE_VARIABLES + (("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT") if pod is deployment else ())
+            for variable in wanted:
+                path = variables[variable]
+                inside = any(path == root or path.startswith(root + "/") for root in writable)
+                assert inside, (item["name"], variable, path)
+                checked += 1
+            assert "/tmp" in writable, item["name"]
+    assert checked >= 3 * len(CACHE_VARIABLES)  # vLLM, the schema upgrade and the learner at least
+    # The checkpoint claim is the learner's to write, and vLLM only reads it.
+    if run.spec.learner.checkpoint_volume is not None:
+        path = run.spec.learner.checkpoint_volume.mount_path
+        assert path in writable_mounts(job, container(job, "learner"))
+        assert path not in writable_mounts(deployment, deployment["containers"][0])
