@@ -80,8 +80,8 @@ def learner_command(run: TrainingRun) -> list[str]:
         "--master-addr=$(MASTER_ADDR)",
         "--master-port=$(MASTER_PORT)",
         "-m", "harnessrl.cli", "learn",
-        "--spec", f"{SPEC_DIR}/{SPEC_KEY}",
-        "--run", run.metadata.name,
+        "--spec", f"{SPEC_DIR}/{SPEC_KEY}",  # its metadata.name is the run: no --run, which torchrun's
+        # parser takes for an abbreviation of its own --run-path and refuses as ambiguous (seen on the real node)
         "--model", model_dir(run),
         "--output", checkpoint_dir(run),
         "--steps", str(learner.steps),
