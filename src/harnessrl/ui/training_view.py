@@ -25,7 +25,7 @@ from harnessrl.store.schema import LearnerStep, Rollout, RolloutAttempt, Run
 from harnessrl.store.trace_store import TraceStore
 from harnessrl.trainer.advantages import RolloutOutcome, compute_advantages
 from harnessrl.trainer.learner import LearnerSettings, decision_mask, row_allowed_sets
-from harnessrl.trainer.rows import Row, RowStats, merge_calls_into_rows
+from harnessrl.trainer.rows import Row, RowsResult, RowStats, merge_calls_into_rows
 
 @dataclass(frozen=True)
 class RowView:
@@ -72,19 +72,19 @@ def learner_settings(engine: Engine, run: str) -> tuple[LearnerSettings, bool]:
     return LearnerSettings.from_spec(spec, run=run, model_dir=Path("."), output_dir=Path(".")), True
 
 
-def build_rows(store: TraceStore, settings: LearnerSettings, rollout_id: str, attempt: int
-               ) -> tuple[list[Row], RowStats, dict[str, list[list[int]]]]:
-    """The attempt's rows as ``Learner._build_batch`` builds them, with the stored allowed sets."""
+def build_rows(store: TraceStore, settings: LearnerSettings, rollout_id: str, attempt: int) -> RowsResult:
+    """The attempt's rows as ``Learner._build_batch`` builds them."""
     calls = store.rollout_calls(rollout_id, attempt)
-    built = merge_calls_into_rows(calls, mode=settings.row_mode, max_prompt_tokens=settings.max_prompt_tokens,
-                                  max_row_tokens=settings.max_row_tokens)
-    return built.rows, built.stats, store.allowed_token_ids(rollout_id, attempt)
+    return merge_calls_into_rows(calls, mode=settings.row_mode, max_prompt_tokens=settings.max_prompt_tokens,
+                                 max_row_tokens=settings.max_row_tokens)
 
 
 def training_view(engine: Engine, run: str, rollout_id: str, attempt: int) -> TrainingView:
     store = TraceStore(engine)
     settings, from_spec = learner_settings(engine, run)
-    rows, stats, sets = build_rows(store, settings, rollout_id, attempt)
+    built = build_rows(store, settings, rollout_id, attempt)
+    rows, stats = built.rows, built.stats
+    sets = store.allowed_token_ids(rollout_id, attempt)
     views = []
     for index, row in enumerate(rows):
         allowed = row_allowed_sets(row, sets) if sets else {}
@@ -132,7 +132,7 @@ def _advantage(engine: Engine, store: TraceStore, settings: LearnerSettings, run
     outcomes = []
     for m in members:
         built = rows if (m.rollout_id, m.attempt) == (rollout_id, attempt) else build_rows(
-            store, settings, m.rollout_id, m.attempt)[0]
+            store, settings, m.rollout_id, m.attempt).rows
         versions = [r.min_policy_version for r in built]
         oldest = min(versions) if versions else (m.policy_version_start if m.policy_version_start is not None
                                                  else current)
