@@ -29,8 +29,10 @@ import httpx
 import numpy as np
 import pytest
 import yaml
+from sqlalchemy import select
 
 from harnessrl.store import RolloutState, TraceStore
+from harnessrl.store.schema import Rollout
 from harnessrl.store.learner_ledger import ClaimedAttempt, LearnerLedger, StepClaim
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -170,7 +172,9 @@ def _a_trained_rollout(store: TraceStore) -> str:
 
 def test_every_page_renders_with_no_console_error(ui: str, store: TraceStore, page: Page, artifacts: Path):
     rollout = _a_trained_rollout(store)
-    task = store.get_attempt(rollout, 0).task_id
+    with store.engine.connect() as conn:  # a held-out task: evaluated at every version, so Compare has columns
+        task = conn.scalar(select(Rollout.task_id).where(Rollout.run == RUN, Rollout.kind == "evaluation")
+                           .order_by(Rollout.task_id).limit(1))
     pages = {
         "runs": "/", "overview": f"/runs/{RUN}", "rollouts": f"/runs/{RUN}/rollouts",
         "rollout": f"/runs/{RUN}/rollouts/{rollout}", "failures": f"/runs/{RUN}/failures",
@@ -180,6 +184,8 @@ def test_every_page_renders_with_no_console_error(ui: str, store: TraceStore, pa
         response = page.open(ui + path)
         assert response.status == 200, (name, response.status)
         page.tab.screenshot(path=str(artifacts / f"{name}.png"))
+        if name == "rollout":  # and the token view itself, scrolled into sight
+            page.tab.locator("#tokens").screenshot(path=str(artifacts / "rollout-tokens.png"))
         assert page.errors == [], (name, page.errors)
     # what the pages say is what the store holds
     page.open(ui + "/")
@@ -199,6 +205,10 @@ def test_every_page_renders_with_no_console_error(ui: str, store: TraceStore, pa
     exits = [groups.nth(i).inner_text() for i in range(groups.count())]
     crash = [text for text in exits if "HarnessFailed: exit code N" in text]  # the crash harness's exit 3
     assert len(crash) == 1, exits
+    page.open(ui + f"/runs/{RUN}/compare?task={task}")
+    columns = page.tab.locator("#compare .col")
+    assert [columns.nth(i).get_attribute("data-version") for i in range(columns.count())] == [
+        str(v) for v in range(STEPS + 1)]  # v0 (atStart), then the version each step made
 
 
 def test_rollout_list_filters_sort_and_pages(ui: str, store: TraceStore, page: Page):

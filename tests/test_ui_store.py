@@ -144,3 +144,17 @@ async def test_a_100k_token_call_is_rendered_a_page_of_tokens_at_a_time(store: T
     body = await response.text()
     assert body.count('data-trained="1"') == len(call.completion_token_ids)  # the completion ends the row
     assert f"tokens {last}–{total} of {total}" in body
+
+
+def test_the_command_names_what_is_wrong_with_its_arguments(tmp_path) -> None:
+    from click.testing import CliRunner
+
+    from harnessrl.cli import main
+
+    runner = CliRunner()
+    result = runner.invoke(main, ["ui"], env={"HARNESSRL_STORE_URL": ""})
+    assert result.exit_code == 2 and "give a run directory (RUN_DIR) or --store URL" in result.output
+    result = runner.invoke(main, ["ui", str(tmp_path)])
+    assert result.exit_code == 1 and "is not a run directory (no run.json)" in result.output
+    result = runner.invoke(main, ["ui", "--store", "mysql://h/db"])
+    assert result.exit_code == 1 and "which the store does not support" in result.output
