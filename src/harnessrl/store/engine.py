@@ -4,6 +4,13 @@ SQLite is shared by the local runner's processes (scheduler, proxies, learner), 
 busy timeout, and write transactions start with ``BEGIN IMMEDIATE``: a deferred transaction that reads and
 then writes fails at once with "database is locked" when another process committed in between, whatever the
 timeout. Reads stay plain ``BEGIN`` so they never queue behind writers.
+
+PostgreSQL connections are not pinged on every checkout (``pool_pre_ping``): that is one more round trip per
+store call, and an operator pass makes a dozen calls back to back on connections used milliseconds before.
+Instead a connection idle longer than ``ping_idle_s`` (30 s) is pinged before reuse (an idle-connection reaper
+or a database restart shows there, and the pool opens a new connection), connections are replaced after
+``POOL_RECYCLE_S`` whatever their use, and a connection that fails in use makes SQLAlchemy invalidate the
+whole pool: that one call fails, and the next one gets a fresh connection.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DisconnectionError, SQLAlchemyError
 
 from harnessrl.store import codec
 
 SQLITE_BUSY_TIMEOUT_MS = 60_000
+PING_IDLE_S = 30.0  # a PostgreSQL connection idle longer than this is pinged before reuse
+POOL_RECYCLE_S = 1800  # and every one is replaced after this long (below common idle-connection reapers)
 WRITE_OPTION = "harnessrl_write"  # execution option that marks a connection's transactions as writes
 URL_HELP = "use sqlite:///PATH/TO/FILE.db or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
 
@@ -77,12 +86,33 @@ def _sqlite_on_begin(connection: Any) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def open_engine(url: str | URL) -> Engine:
+def _ping_when_idle(engine: Engine, idle_s: float) -> None:
+    """Ping a pooled connection before reuse only when it sat idle longer than ``idle_s`` (SQLAlchemy's
+    "pessimistic disconnect handling" recipe, limited to connections that may have gone stale)."""
+
+    @event.listens_for(engine, "checkin")
+    def checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get("idle_since")
+        if since is None or time.monotonic() - since <= idle_s:
+            return
+        try:
+            with dbapi_connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+            dbapi_connection.rollback()
+        except Exception as exc:  # any failure: the pool drops it and tries a new connection
+            raise DisconnectionError(f"stale pooled connection: {first_line(exc)}") from exc
+
+
+def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S) -> Engine:
     """An engine for ``url``, checked by connecting once so a wrong URL fails here with one clear line."""
     parsed = parse_url(url)
     options: dict[str, Any] = {"json_serializer": codec.dumps, "json_deserializer": codec.loads}
     if parsed.get_backend_name() == "postgresql":
-        options["pool_pre_ping"] = True  # survive a database restart or an idle-connection reaper
+        options["pool_recycle"] = POOL_RECYCLE_S
     try:
         engine = create_engine(parsed, **options)
     except (SQLAlchemyError, ImportError) as exc:
@@ -90,6 +120,8 @@ def open_engine(url: str | URL) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         event.listen(engine, "connect", _sqlite_on_connect)
         event.listen(engine, "begin", _sqlite_on_begin)
+    else:
+        _ping_when_idle(engine, ping_idle_s)
     try:
         with engine.connect():
             pass

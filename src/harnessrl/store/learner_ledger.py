@@ -25,9 +25,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, insert, select, tuple_, update
+from sqlalchemy import Connection, Engine, exists, func, insert, select, tuple_, update
+from sqlalchemy.orm import aliased
 from sqlalchemy.exc import IntegrityError
 
+from harnessrl.store import run_counters
 from harnessrl.store.engine import WRITE_OPTION
 from harnessrl.store.records import RolloutState, utcnow
 from harnessrl.store.schema import TRAIN, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
@@ -154,23 +156,18 @@ class LearnerLedger:
         """
         if tasks_per_step < 1 or group_size < 1:
             raise ValueError(f"tasks_per_step ({tasks_per_step}) and group_size ({group_size}) must be >= 1")
-        latest = (
-            select(RolloutAttempt.rollout_id, func.max(RolloutAttempt.attempt).label("attempt"))
-            .where(RolloutAttempt.run == self.run)
-            .group_by(RolloutAttempt.rollout_id)
-            .subquery()
-        )
-        query = (  # the latest attempt of every rollout with a task, if no step consumed it yet
-            select(
+        newer = aliased(RolloutAttempt)
+        query = (  # the latest attempt of every rollout with a task, if no step consumed it yet: open attempts
+            select(  # only (ix_rollout_attempts_open), so a poll costs what is unconsumed, not the whole run
                 RolloutAttempt.rollout_id, RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.reward,
                 RolloutAttempt.policy_version_start, RolloutAttempt.finished_at, RolloutAttempt.updated_at,
                 Rollout.task_id, Rollout.group_index,
             )
-            .join(latest, (latest.c.rollout_id == RolloutAttempt.rollout_id)
-                  & (latest.c.attempt == RolloutAttempt.attempt))
             .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
             .where(RolloutAttempt.run == self.run, RolloutAttempt.consumed_by_step.is_(None),
-                   Rollout.task_id.is_not(None), Rollout.kind == TRAIN)
+                   Rollout.task_id.is_not(None), Rollout.kind == TRAIN,
+                   ~exists().where(newer.rollout_id == RolloutAttempt.rollout_id,
+                                   newer.attempt > RolloutAttempt.attempt))
         )
         with self._engine.connect() as conn:
             rows = conn.execute(query).all()
@@ -244,10 +241,10 @@ class LearnerLedger:
         try:
             with self._writer.begin() as conn:
                 yield conn
-                marked = 0
+                states: list[str] = []
                 for start in range(0, len(pairs), CHUNK):
                     chunk = pairs[start:start + CHUNK]
-                    marked += conn.execute(
+                    states += conn.execute(
                         update(RolloutAttempt)
                         .where(
                             tuple_(RolloutAttempt.rollout_id, RolloutAttempt.attempt).in_(chunk),
@@ -255,12 +252,14 @@ class LearnerLedger:
                             RolloutAttempt.consumed_by_step.is_(None),
                         )
                         .values(consumed_by_step=step, updated_at=now)
-                    ).rowcount
-                if marked != len(pairs):  # raising inside the block rolls the whole commit back
+                        .returning(RolloutAttempt.state)
+                    ).scalars().all()
+                if len(states) != len(pairs):  # raising inside the block rolls the whole commit back
                     raise CommitRefused(
-                        f"step {step} of run {self.run!r}: {len(pairs) - marked} of {len(pairs)} attempts do not "
-                        "exist in this run or were consumed by another step; nothing was recorded"
+                        f"step {step} of run {self.run!r}: {len(pairs) - len(states)} of {len(pairs)} attempts do "
+                        "not exist in this run or were consumed by another step; nothing was recorded"
                     )
+                run_counters.add_consumed(conn, self.run, states)
         except IntegrityError:
             raise CommitRefused(
                 f"step {step} of run {self.run!r}: the step or its policy version is already committed "

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     CheckConstraint,
     DateTime,
@@ -28,6 +29,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -46,6 +48,7 @@ ID = String(128)  # run names, task, rollout and call ids: Kubernetes names (<= 
 STATE_VALUES = ", ".join(f"'{s.value}'" for s in RolloutState)
 TRAIN, EVALUATION = "train", "evaluation"  # rollouts.kind
 KIND_VALUES = f"'{TRAIN}', '{EVALUATION}'"
+OPEN_ATTEMPTS = "consumed_by_step IS NULL"  # the partial index ix_rollout_attempts_open
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -152,6 +155,11 @@ class RolloutAttempt(Base):
         CheckConstraint(f"state IN ({STATE_VALUES})", name="state"),
         ForeignKeyConstraint(["run", "consumed_by_step"], ["learner_steps.run", "learner_steps.step"]),
         Index(None, "run", "state"),
+        # The attempts a scheduler pass can still care about: the active ones, the finished ones no learner
+        # step consumed yet (and a retried rollout's earlier attempts). Its reads name the same condition, so
+        # they walk this index and cost what is open, not every attempt the run ever made.
+        Index("ix_rollout_attempts_open", "run", "state", postgresql_where=text(OPEN_ATTEMPTS),
+              sqlite_where=text(OPEN_ATTEMPTS)),
     )
 
     rollout_id: Mapped[str] = mapped_column(ID, ForeignKey("rollouts.rollout_id"), primary_key=True)
@@ -168,6 +176,21 @@ class RolloutAttempt(Base):
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class RunCounter(Base):
+    """Running totals of a run that a scheduler pass reads instead of counting rows it can no longer change.
+
+    ``training_rollouts``: training rollouts the scheduler created (their number names the next group);
+    ``consumed:<state>``: attempts in that state a learner step consumed (consumed attempts are final). Both
+    only grow, in the transaction that adds what they count (``store.run_counters``).
+    """
+
+    __tablename__ = "run_counters"
+
+    run: Mapped[str] = mapped_column(ID, ForeignKey("runs.name"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[int] = mapped_column(BigInteger)
 
 
 class LlmCall(Base):

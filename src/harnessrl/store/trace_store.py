@@ -18,7 +18,7 @@ from sqlalchemy import Connection, Engine, Row, func, select, tuple_, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
-from harnessrl.store import codec, migrate
+from harnessrl.store import codec, migrate, run_counters
 from harnessrl.store.call_copy import CopyConflict
 from harnessrl.store.call_rows import (
     CallRebuilder,
@@ -177,8 +177,8 @@ class TraceStore:
                 raise NotFound(f"task {task_id!r} of run {run!r} does not exist; add it with add_tasks first")
             now = utcnow()
             kind = TRAIN if evaluated_version is None else EVALUATION
-            conn.execute(
-                self._insert(Rollout).on_conflict_do_nothing(),
+            inserted = conn.execute(
+                self._insert(Rollout).on_conflict_do_nothing().returning(Rollout.rollout_id),
                 [
                     {
                         "rollout_id": rollout_id,
@@ -191,7 +191,9 @@ class TraceStore:
                     }
                     for rollout_id, (_, _, index, _) in wanted.items()
                 ],
-            )
+            ).all()
+            if kind == TRAIN:
+                run_counters.add(conn, run, {run_counters.TRAINING_ROLLOUTS: len(inserted)})
             stored = conn.execute(
                 select(
                     Rollout.rollout_id, Rollout.run, Rollout.task_id, Rollout.group_index, Rollout.evaluated_version
@@ -445,16 +447,8 @@ class TraceStore:
 
     def count_attempts(self, run: str) -> dict[RolloutState, int]:
         """Attempts per state (every state present, zero included), for status and metrics."""
-        query = (
-            select(RolloutAttempt.state, func.count())
-            .where(RolloutAttempt.run == run)
-            .group_by(RolloutAttempt.state)
-        )
-        counts = dict.fromkeys(RolloutState, 0)
         with self._engine.connect() as conn:
-            for state, count in conn.execute(query):
-                counts[RolloutState(state)] = count
-        return counts
+            return run_counters.attempt_counts(conn, run)
 
     # --- policy versions (the learner's commits live in learner_ledger.py) ----------------------------------
 
