@@ -177,8 +177,9 @@ def tool_input(arguments: Any) -> dict[str, Any]:
 
 def tool_arguments(tool_input_: Any) -> str:
     """A ``tool_use`` input as chat arguments: the text of an input ``tool_input`` wrapped, else its JSON."""
-    if isinstance(tool_input_, dict) and set(tool_input_) == {RAW_ARGUMENTS} and isinstance(tool_input_[RAW_ARGUMENTS], str):
-        return tool_input_[RAW_ARGUMENTS]
+    raw = tool_input_.get(RAW_ARGUMENTS) if isinstance(tool_input_, dict) and len(tool_input_) == 1 else None
+    if isinstance(raw, str):
+        return raw
     try:
         return json.dumps(tool_input_ or {})
     except TypeError:  # a number ``tool_input`` kept as its literal

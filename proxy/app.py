@@ -282,8 +282,10 @@ class CaptureProxy:
         code = str(code)
         self.metrics.refused.labels(route, str(status), code).inc()
         info = request.match_info
-        who = (f"{info['rollout_id']}/{info['attempt']}" if "rollout_id" in info
-               else f"{self.config.rollout_id}/{self.config.attempt}" if self.config.rollout_id is not None else "-")
+        if "rollout_id" in info:
+            who = f"{info['rollout_id']}/{info['attempt']}"
+        else:
+            who = "-" if self.config.rollout_id is None else f"{self.config.rollout_id}/{self.config.attempt}"
         log_refusal(who, route, status, code, message)
 
     @staticmethod

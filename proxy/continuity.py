@@ -459,7 +459,8 @@ class TokenContinuity:
         room = max_model_len - len(prompt)
         if room < 1:
             raise _Fallback("prompt_too_long")
-        requested = chat.get("max_tokens", chat.get("max_completion_tokens"))  # the request's, or the run's override
+        # the request's limit, or the run's override (``chat`` is the request with the run's sampling)
+        requested = chat.get("max_tokens", chat.get("max_completion_tokens"))
         # The request's own limit, as given: the rendered parameters leave out a value equal to the server's
         # default (16), which then must not become "the rest of the context". Without one, the server sized
         # it for its own (shorter or longer) rendering: the room the continued prompt leaves.
@@ -495,7 +496,8 @@ class TokenContinuity:
         sources = [c for c in data.get("choices") or [] if isinstance(c, dict)]
         decoded = {c.get("index", 0): decoded_tokens(c, keep_stop) for c in sources}
         # derender refuses an empty list: a stop token alone is sent whole and its text dropped below
-        sent = {**data, "choices": [{**c, "token_ids": decoded[c.get("index", 0)] or c.get("token_ids")} for c in sources]}
+        sent = {**data, "choices": [{**c, "token_ids": decoded[c.get("index", 0)] or c.get("token_ids")}
+                                    for c in sources]}
         payload = {"generate_response": sent, "chat_request": chat, "prompt_token_ids": prompt,
                    "prompt_tokens": len(prompt)}
         try:

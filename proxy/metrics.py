@@ -91,8 +91,8 @@ class ProxyMetrics:
         self.write_errors = Counter(
             PREFIX + "write_errors",
             "Write failures: outage (spooled, retried), rejected (kept aside), spool_full (held in memory), "
-            "writer (the spool or its .rejected file could not be written, or a bug: held, retried) or nonstrict_json "
-            "(a call whose answer strict JSON cannot hold, stored with such values as text: strict_json.py).",
+            "writer (the spool or its .rejected file could not be written, or a bug: held, retried) or "
+            "nonstrict_json (a call whose answer strict JSON cannot hold, stored with such values as text).",
             ["kind"],
             registry=r,
         )

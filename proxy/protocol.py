@@ -462,7 +462,8 @@ def answered_error(body: bytes) -> dict[str, Any]:
     error = parsed.get("error") if isinstance(parsed, dict) else None
     if isinstance(error, dict):
         return error
-    return {"message": error if isinstance(error, str) else body.decode("utf-8", "replace"), "type": "upstream_error"}
+    message = error if isinstance(error, str) else body.decode("utf-8", "replace")
+    return {"message": message, "type": "upstream_error"}
 
 
 def error_event(error: Mapping[str, Any]) -> bytes:

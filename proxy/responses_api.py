@@ -348,7 +348,8 @@ def chat_messages(instructions: Any, items: Any) -> list[dict[str, Any]]:
         if kind == "function_call":
             name, arguments, call_id = item.get("name"), item.get("arguments"), item.get("call_id")
             namespace = item.get("namespace")
-            if not all(isinstance(v, str) for v in (name, arguments, call_id)) or not isinstance(namespace, (str, type(None))):
+            strings = all(isinstance(v, str) for v in (name, arguments, call_id))
+            if not strings or not isinstance(namespace, (str, type(None))):
                 raise Untranslatable("responses_input_item")
             if namespace:
                 name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
@@ -447,7 +448,9 @@ def _chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         namespace = choice.get("namespace")
-        name = f"{namespace}{NAMESPACE_SEPARATOR}{choice['name']}" if isinstance(namespace, str) else choice["name"]
+        name = choice["name"]
+        if isinstance(namespace, str):
+            name = f"{namespace}{NAMESPACE_SEPARATOR}{name}"
         return {"type": "function", "function": {"name": name}}
     raise Untranslatable("responses_tool_choice")
 
@@ -474,8 +477,8 @@ def chat_request(body: Mapping[str, Any]) -> dict[str, Any]:
     if text is not None and (not isinstance(text, dict) or (text.get("format") or {"type": "text"}) != {"type": "text"}):
         raise Untranslatable("responses_structured_output")
     include = body.get("include") or []
-    if any(name not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE) for name in include) or body.get("truncation") not in (
-            None, "disabled"):
+    unknown_include = any(name not in (LOGPROBS_INCLUDE, ENCRYPTED_INCLUDE) for name in include)
+    if unknown_include or body.get("truncation") not in (None, "disabled"):
         raise Untranslatable("responses_unsupported_field")
     out: dict[str, Any] = {"model": body.get("model"), "messages": chat_messages(body.get("instructions"), body["input"])}
     if body.get("max_output_tokens") is not None:
