@@ -120,3 +120,25 @@ def test_a_continued_chat_answer_holds_no_stop_token_text(captured):
     calls = store.read_calls("chat-stop", 0)
     assert [(c.status, len(c.completion_token_ids), len(c.logprobs)) for c in calls] == [(CallStatus.OK, 1, 1)] * 2
     assert second.usage.prompt_tokens == len(calls[1].prompt_token_ids)
+
+
+def test_a_continued_answer_ends_where_a_stop_string_ends_it(tool_server, tiny_model_dir, tmp_path):
+    """A stop string the model writes at once (a ``logit_bias`` on its token): the engine cuts the text before
+    it, so the first call answers empty content; the continued call must too (derender decodes the token)."""
+    from transformers import AutoTokenizer
+
+    (token,) = AutoTokenizer.from_pretrained(tiny_model_dir).encode("def")
+    with proxy_in_front(tool_server, tmp_path, "test-run", {"temperature": 1.0, "logit_bias": {str(token): 100}}) as (
+            store, proxy):
+        c = openai.OpenAI(base_url=f"{proxy.url}/rollouts/stop-string/attempts/0/v1", api_key="unused",
+                          max_retries=0, timeout=300)
+        tools = [{"type": "function", "function": {"name": t["name"], "parameters": t["input_schema"]}} for t in TOOLS]
+        messages: list[dict] = [{"role": "user", "content": "hello"}]
+        used = continuity(proxy.url, "used")
+        for turn in range(2):
+            answer = c.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=8, stop=["def"])
+            assert answer.choices[0].message.content == "" and answer.choices[0].finish_reason == "stop"
+            messages += [{"role": "assistant", "content": ""}, {"role": "user", "content": f"go on {turn}"}]
+        assert continuity(proxy.url, "used") - used == 1
+        proxy.flush(60)
+        assert [len(c.completion_token_ids) for c in store.read_calls("stop-string", 0)] == [1, 1]
