@@ -1,4 +1,5 @@
-"""A 50-turn agent trajectory costs storage in proportion to its final length, not the sum of its prompts."""
+"""A 50-turn agent trajectory costs storage in proportion to its final length, not the sum of its prompts: within
+1.15x of it when the harness resends replies as they came, 1.25x when it rewrites them."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def final_bytes(calls) -> int:
 
 
 @pytest.mark.parametrize("resend_reply", ["exact", "rewritten"])
-def test_50_turn_trajectory_is_stored_within_1_5x_of_its_final_size(
+def test_50_turn_trajectory_is_stored_close_to_its_final_size(
     store: TraceStore, resend_reply: str
 ) -> None:
     calls = chat_trajectory("long-run", turns=TURNS, system_tokens=1000, observation_tokens=500,
@@ -43,7 +44,7 @@ def test_50_turn_trajectory_is_stored_within_1_5x_of_its_final_size(
         f"ratio {ratio:.3f} (full prompts would need {naive} bytes of token arrays alone, "
         f"{naive / baseline:.1f}x); PostgreSQL row size {postgres_row_bytes(store, ids)}"
     )
-    assert ratio <= 1.5
+    assert ratio <= (1.15 if resend_reply == "exact" else 1.25)  # 1.142 and 1.225 (issue 25, part 4)
 
     assert store.read_calls("long-run", 0) == calls
     for call in (calls[0], calls[1], calls[TURNS // 2], calls[-1]):

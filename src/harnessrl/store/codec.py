@@ -151,6 +151,69 @@ def _chat_logprob_tokens(content: Any, logprobs: list[float]) -> list[str] | Non
     return tokens
 
 
+# Fields vLLM's chat answers carry with the same value in every call; stripped only when all of a level's are
+# there with exactly these values (their positions are kept), so any other answer is stored as it came.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "defaults": {"service_tier": None, "system_fingerprint": None, "prompt_logprobs": None,
+                 "kv_transfer_params": None},
+    "choice.message.defaults": {"refusal": None, "annotations": None, "audio": None, "function_call": None,
+                                "tool_calls": [], "reasoning_content": None},
+}
+USAGE_KEYS = ["prompt_tokens", "total_tokens", "completion_tokens", "prompt_tokens_details"]
+
+
+def _usage(prompt_ids: list[int], completion_ids: list[int]) -> dict[str, Any]:
+    """vLLM's ``usage`` of a call whose token arrays are these (the counts are the arrays' lengths)."""
+    p, c = len(prompt_ids), len(completion_ids)
+    return {"prompt_tokens": p, "total_tokens": p + c, "completion_tokens": c, "prompt_tokens_details": None}
+
+
+def _strip_defaults(container: dict[str, Any], name: str, stripped: list[list[Any]]) -> None:
+    """Cut ``DEFAULTS[name]`` out of ``container`` (a copy the caller owns) when all are there, in order, with
+    exactly those values; the marker keeps their positions. Type-exact: ``0`` or ``False`` is no ``None``."""
+    defaults = DEFAULTS[name]
+    keys = list(container)
+    positions = [keys.index(k) if k in container else -1 for k in defaults]
+    if -1 in positions or positions != sorted(positions):
+        return
+    for key, value in defaults.items():
+        if type(container[key]) is not type(value) or container[key] != value:
+            return
+    for key in defaults:
+        del container[key]
+    stripped.append([name, positions])
+
+
+# A token's length in characters as one character of this alphabet (lengths 0-61).
+_LENGTHS = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_LENGTH_OF = {c: i for i, c in enumerate(_LENGTHS)}
+_LENGTH_BYTES = _LENGTHS.encode("ascii").ljust(256, b"?")  # bytes.translate table: length -> its character
+
+
+def _split_lengths(tokens: list[str], message: Any) -> str | None:
+    """The tokens' lengths, one character each, when the tokens spell the message's content exactly: the
+    tokens are then the content cut at those lengths. A plain chat reply's log-prob tokens are its text again,
+    as long as the text (a quarter of a 50-turn trajectory's stored bytes); one character per token instead.
+    None where they do not (tool calls, reasoning, a token longer than 61 characters): tokens stay as strings."""
+    if not isinstance(message, dict) or type(message.get("content")) is not str:
+        return None
+    lengths = list(map(len, tokens))
+    if max(lengths) >= len(_LENGTHS) or "".join(tokens) != message["content"]:
+        return None
+    return bytes(lengths).translate(_LENGTH_BYTES).decode("ascii")  # C speed: 200 tokens a call
+
+
+def _split(content: str, lengths: str) -> list[str]:
+    tokens, at = [], 0
+    for c in lengths:
+        n = _LENGTH_OF[c]
+        tokens.append(content[at:at + n])
+        at += n
+    if at != len(content):
+        raise ValueError("stored log-prob token lengths do not add up to the message content")
+    return tokens
+
+
 def _pop_at(container: dict[str, Any], key: str) -> int:
     index = list(container).index(key)
     del container[key]
@@ -177,9 +240,15 @@ def strip_response(
     stripped: list[list[Any]] = []
     if _same_ints(out.get("prompt_token_ids"), prompt_ids):
         stripped.append(["prompt_token_ids", _pop_at(out, "prompt_token_ids")])
+    if out.get("usage") == _usage(prompt_ids, completion_ids) and list(out["usage"]) == USAGE_KEYS:
+        stripped.append(["usage", _pop_at(out, "usage")])
+    _strip_defaults(out, "defaults", stripped)
     choices = out.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         choice = dict(choices[0])
+        if isinstance(choice.get("message"), dict):
+            message = choice["message"] = dict(choice["message"])
+            _strip_defaults(message, "choice.message.defaults", stripped)
         if _same_ints(choice.get("prompt_token_ids"), prompt_ids):
             stripped.append(["choice.prompt_token_ids", _pop_at(choice, "prompt_token_ids")])
         if _same_ints(choice.get("token_ids"), completion_ids):
@@ -187,7 +256,11 @@ def strip_response(
         if isinstance(choice.get("logprobs"), dict):
             lp = dict(choice["logprobs"])
             tokens = _chat_logprob_tokens(lp.get("content"), logprobs)
-            if tokens is not None:
+            lengths = None if tokens is None else _split_lengths(tokens, choice.get("message"))
+            if lengths is not None:
+                lp["content"] = lengths
+                stripped.append(["choice.logprobs.content_split", 0])
+            elif tokens is not None:
                 lp["content"] = tokens
                 stripped.append(["choice.logprobs.content", 0])
             if _same_floats(lp.get("token_logprobs"), logprobs):
@@ -213,6 +286,14 @@ def restore_response(
         if name == "prompt_token_ids":
             _insert_at(stored, name, list(prompt_ids), index)
             continue
+        if name == "usage":
+            _insert_at(stored, name, _usage(prompt_ids, completion_ids), index)
+            continue
+        if name in DEFAULTS:
+            container = stored if name == "defaults" else stored["choices"][0]["message"]
+            for (key, value), at in zip(DEFAULTS[name].items(), index, strict=True):
+                _insert_at(container, key, copy_json(value), at)
+            continue
         choice = stored["choices"][0]
         if name == "choice.prompt_token_ids":
             _insert_at(choice, "prompt_token_ids", list(prompt_ids), index)
@@ -222,6 +303,12 @@ def restore_response(
             choice["logprobs"]["content"] = [
                 {"token": token, "logprob": lp, "bytes": token_bytes(token), "top_logprobs": []}
                 for token, lp in zip(choice["logprobs"]["content"], logprobs, strict=True)
+            ]
+        elif name == "choice.logprobs.content_split":
+            tokens = _split(choice["message"]["content"], choice["logprobs"]["content"])
+            choice["logprobs"]["content"] = [
+                {"token": token, "logprob": lp, "bytes": token_bytes(token), "top_logprobs": []}
+                for token, lp in zip(tokens, logprobs, strict=True)
             ]
         elif name == "choice.logprobs.token_logprobs":
             _insert_at(choice["logprobs"], "token_logprobs", list(logprobs), index)
