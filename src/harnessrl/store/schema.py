@@ -160,6 +160,11 @@ class RolloutAttempt(Base):
         # they walk this index and cost what is open, not every attempt the run ever made.
         Index("ix_rollout_attempts_open", "run", "state", postgresql_where=text(OPEN_ATTEMPTS),
               sqlite_where=text(OPEN_ATTEMPTS)),
+        # What the trace explorer's rollout list sorts by (harnessrl.ui.queries.SORTS): a page is an index walk.
+        Index(None, "run", "created_at"),
+        Index(None, "run", "reward"),
+        Index(None, "run", "policy_version_start"),
+        Index(None, "run", "consumed_by_step"),
     )
 
     rollout_id: Mapped[str] = mapped_column(ID, ForeignKey("rollouts.rollout_id"), primary_key=True)
