@@ -97,9 +97,14 @@ LIST_QUERIES = {
 }
 
 
-async def measure(url: str, samples: int) -> None:
+INDEXES_0007 = ("ix_rollout_attempts_run_created_at", "ix_rollout_attempts_run_reward",
+                "ix_rollout_attempts_run_policy_version_start", "ix_rollout_attempts_run_consumed_by_step")
+
+
+async def measure(url: str, samples: int, compare_indexes: bool) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
+    from harnessrl.store.engine import open_engine
     from harnessrl.ui.app import make_app
     from harnessrl.ui.store_access import open_read_only
 
@@ -109,33 +114,62 @@ async def measure(url: str, samples: int) -> None:
         calls = conn.scalar(select(func.count()).select_from(LlmCall))
         attempts = conn.scalar(select(func.count()).select_from(RolloutAttempt))
     print(f"store: {calls:,} calls, {attempts:,} rollout attempts, {steps} learner steps; {os.cpu_count()} CPUs "
-          f"(shared), {samples} requests per line")
+          f"(shared), {samples} requests per line, times in ms")
     rng = random.Random(1)
     groups = attempts // GROUP
+    list_paths = {name: [f"/runs/{RUN}/rollouts?" + query.format(
+        step=rng.randint(1, steps), version=rng.randint(0, steps), group=rng.randrange(groups))
+        for _ in range(samples)] for name, query in LIST_QUERIES.items()}
+    rollout_paths = [f"/runs/{RUN}/rollouts/r{rng.randrange(groups):07d}-{rng.randrange(GROUP)}"
+                     for _ in range(samples)]
     async with TestClient(TestServer(make_app(engine))) as client:
         await client.get(f"/runs/{RUN}/rollouts/r0000000-0")  # the first rollout page imports the learner (torch)
 
-        async def timed(path: str) -> float:
-            start = time.perf_counter()
-            response = await client.get(path)
-            await response.read()
-            assert response.status == 200, (path, response.status)
-            return (time.perf_counter() - start) * 1e3
+        async def timed(paths: list[str]) -> tuple[float, float]:
+            times = []
+            for path in paths:
+                start = time.perf_counter()
+                response = await client.get(path)
+                await response.read()
+                assert response.status == 200, (path, response.status)
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times), statistics.quantiles(times, n=20)[18]
 
-        async def report(name: str, paths: list[str]) -> None:
-            times = [await timed(path) for path in paths]
-            q = statistics.quantiles(times, n=20)
-            print(f"  {name:40s} p50 {statistics.median(times):7.1f} ms   p95 {q[18]:7.1f} ms")
-
-        print("rollout list (/runs/RUN/rollouts?...):")
-        for name, query in LIST_QUERIES.items():
-            paths = [f"/runs/{RUN}/rollouts?" + query.format(step=rng.randint(1, steps), version=rng.randint(0, steps),
-                                                               group=rng.randrange(groups)) for _ in range(samples)]
-            await report(name, paths)
+        with_indexes = {name: await timed(paths) for name, paths in list_paths.items()}
+        without: dict[str, tuple[float, float]] = {}
+        if compare_indexes:  # the same requests on the same store without migration 0007's indexes
+            writer = open_engine(url)
+            with writer.begin() as conn:
+                for index in INDEXES_0007:
+                    conn.exec_driver_sql(f"DROP INDEX {index}")
+            try:
+                without = {name: await timed(paths) for name, paths in list_paths.items()}
+            finally:
+                with writer.begin() as conn:
+                    for index, (_, columns) in zip(INDEXES_0007, _index_columns(), strict=True):
+                        conn.exec_driver_sql(f"CREATE INDEX {index} ON rollout_attempts ({columns})")
+                writer.dispose()
+        print("rollout list (/runs/RUN/rollouts?...)" + ("   [without 0007's indexes: p50 p95, p95 ratio]"
+                                                         if without else ""))
+        for name, (p50, p95) in with_indexes.items():
+            line = f"  {name:40s} p50 {p50:7.1f}   p95 {p95:7.1f}"
+            if name in without:
+                w50, w95 = without[name]
+                line += f"   [{w50:7.1f} {w95:7.1f}, {w95 / p95:5.1f}x]"
+            print(line)
+        p50, p95 = await timed(rollout_paths)
         print("rollout page (/runs/RUN/rollouts/ID: conversation, learner rows, group advantages):")
-        await report("random rollout", [f"/runs/{RUN}/rollouts/r{rng.randrange(groups):07d}-{rng.randrange(GROUP)}"
-                                        for _ in range(samples)])
+        print(f"  {'random rollout':40s} p50 {p50:7.1f}   p95 {p95:7.1f}")
+        print("not goals of the issue, for scale (5 requests each):")
+        for name, path in (("runs page", "/"), ("run overview (harnessrl status's summary)", f"/runs/{RUN}"),
+                           ("failures (latest 500 grouped)", f"/runs/{RUN}/failures")):
+            p50, p95 = await timed([path] * 5)
+            print(f"  {name:40s} p50 {p50:7.1f}   p95 {p95:7.1f}")
     engine.dispose()
+
+
+def _index_columns() -> list[tuple[str, str]]:
+    return [(index, "run, " + index.removeprefix("ix_rollout_attempts_run_")) for index in INDEXES_0007]
 
 
 def main() -> None:
@@ -146,10 +180,12 @@ def main() -> None:
     parser.add_argument("--store", help="measure this filled store (a URL) instead of filling a new one")
     parser.add_argument("--keep", action="store_true", help="fill --store (SQLite) and keep it")
     parser.add_argument("--postgresql", action="store_true", help="on a fresh PostgreSQL database (--pg)")
+    parser.add_argument("--no-index-comparison", action="store_true",
+                        help="skip measuring the list again without migration 0007's indexes")
     add_pg_option(parser)
     args = parser.parse_args()
     if args.store and not args.keep:
-        asyncio.run(measure(args.store, args.samples))
+        asyncio.run(measure(args.store, args.samples, not args.no_index_comparison))
         return
     print(f"filling a store with {args.calls:,} calls ({args.turns} per rollout) through TraceStore.add_calls ...")
     if args.postgresql:
@@ -157,14 +193,14 @@ def main() -> None:
             started = time.perf_counter()
             fill(url, args.calls, args.turns)
             print(f"filled in {time.perf_counter() - started:.0f} s")
-            asyncio.run(measure(url, args.samples))
+            asyncio.run(measure(url, args.samples, not args.no_index_comparison))
         return
     with tempfile.TemporaryDirectory() as tmp:
         url = args.store or f"sqlite:///{tmp}/ui-bench.db"
         started = time.perf_counter()
         fill(url, args.calls, args.turns)
         print(f"filled in {time.perf_counter() - started:.0f} s")
-        asyncio.run(measure(url, args.samples))
+        asyncio.run(measure(url, args.samples, not args.no_index_comparison))
 
 
 if __name__ == "__main__":
