@@ -149,9 +149,13 @@ def kubelet_config(layout: NodeLayout, ca: Path, cert: Path, key: Path) -> dict:
         "serializeImagePulls": False,
         "rotateCertificates": False,
         "serverTLSBootstrap": False,
-        # Images come from the local import only: never garbage-collect them on a disk that other work fills.
+        # Images come from the local import only, and nothing can pull them back: never garbage-collect them.
+        # The thresholds stop routine GC; under disk pressure the eviction manager still deletes unused images
+        # (seen: it removed the pause image and every image of a stopped workload), but only those older than
+        # imageMinimumGCAge, so that is set beyond any run's length.
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
+        "imageMinimumGCAge": "87600h",
         "evictionHard": {"memory.available": "100Mi", "nodefs.available": "2%", "imagefs.available": "2%"},
         "podPidsLimit": -1,
         "maxPods": 110,
