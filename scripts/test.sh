@@ -28,6 +28,10 @@ if wait "$kube_build"; then cat "$kube_log" >&2; scripts/kube.sh build --node; e
   cat "$kube_log" >&2; echo "WARNING: the Kubernetes control plane could not be built; its tests will fail" >&2
 fi
 rm -f "$kube_log"
+# The images the chart and the operator run, for the real-node tests (podman, installed when missing; cached by
+# their inputs under ~/.cache/harnessrl/images: a warm run builds nothing, a source change rebuilds the project
+# layer of the images that copy it).
+scripts/kube.sh images >&2 || echo "WARNING: the images could not be built; the real_node tests will fail" >&2
 scripts/chart-tools.sh || echo "WARNING: no helm or no prometheus; the chart tests will fail" >&2
 # The trace explorer's browser tests drive Debian's Chromium (Playwright with executable_path, never its own
 # browser download); its chart library comes from npm, pinned (an editable install does not run the build hook).

@@ -29,6 +29,7 @@ COMPONENTS = {
 }
 PINNED = re.compile(r"^[\w.\-/:]+:(?P<tag>[\w.\-]+)(@sha256:(?P<digest>[0-9a-f]{64}))?$")
 FULL_VERSION = re.compile(r"\d+\.\d+\.\d+")
+FULL_POSTGRES_VERSION = re.compile(r"^\d+\.\d+\b")  # PostgreSQL's releases are major.minor since 10
 
 
 @dataclass
@@ -44,10 +45,12 @@ class Stage:
     runs: list[str] = field(default_factory=list)
 
 
-def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
-    """ARG defaults (global and per stage, ${VAR} expanded) and the stages, from the Dockerfile's instructions."""
+def parse(path: Path, build_args: dict[str, str] | None = None) -> tuple[dict[str, str], list[Stage]]:
+    """ARG values (global and per stage, ${VAR} expanded; ``build_args`` override the defaults as
+    ``--build-arg`` does) and the stages, from the Dockerfile's instructions."""
     text = re.sub(r"\\\n", " ", path.read_text())
     args: dict[str, str] = {}
+    build_args = build_args or {}
     stages: list[Stage] = []
 
     def expand(value: str) -> str:
@@ -61,7 +64,9 @@ def parse(path: Path) -> tuple[dict[str, str], list[Stage]]:
         instruction = instruction.upper()
         if instruction == "ARG":
             name, _, default = rest.partition("=")
-            if default:
+            if name in build_args:
+                args[name] = build_args[name]
+            elif default:
                 args[name] = expand(default.strip('"'))
         elif instruction == "FROM":
             words = rest.split()
@@ -110,13 +115,14 @@ def test_base_images_are_pinned(path: Path) -> None:
         assert "$" not in stage.base, f"{path}: FROM {stage.base} uses an ARG without a default"
         match = PINNED.match(stage.base)
         assert match, f"{path}: FROM {stage.base} names no tag"
-        assert match["digest"] or FULL_VERSION.search(match["tag"]), (
+        full = FULL_POSTGRES_VERSION if stage.base.startswith("docker.io/library/postgres:") else FULL_VERSION
+        assert match["digest"] or full.search(match["tag"]), (
             f"{path}: FROM {stage.base}: pin it by @sha256 digest or a full x.y.z version tag"
         )
         assert "latest" not in match["tag"], f"{path}: FROM {stage.base}"
 
 
-@pytest.mark.parametrize("image", [*sorted(COMPONENTS), "harness"])
+@pytest.mark.parametrize("image", [*sorted(COMPONENTS), "harness", "vllm-cpu"])
 def test_each_image_runs_as_a_numeric_non_root_user(image: str) -> None:
     final = target(image) if image in COMPONENTS else parse(IMAGES / image / "Dockerfile")[1][-1]
     assert final.user, f"images/{image}: its stage sets no USER (it would run as root)"
@@ -174,7 +180,9 @@ def _extras(image: str) -> set[str]:
     wanted = set(final.copies_from)
     runs = " ".join(run for stage in stages if stage.name in wanted for run in stage.runs)
     runs += " " + " ".join(final.runs)
-    return {extra for group in re.findall(r'/src\[([\w,]+)\]', runs) for extra in group.split(",")}
+    # pip install "/src[extra]", or the extra's requirements listed by scripts/lib/requirements.py
+    groups = re.findall(r'/src\[([\w,]+)\]|requirements\.py \S*pyproject\.toml ([\w,]+)', runs)
+    return {extra for group in groups for extra in "".join(group).split(",")}
 
 
 @pytest.mark.parametrize("image", sorted(COMPONENTS))
@@ -214,3 +222,142 @@ def test_what_each_image_copies_exists_and_is_in_the_build_context(path: Path) -
             assert not _ignored(source, patterns), f"{path}: COPY {source} is excluded by .dockerignore"
     for local in (".venv/bin/python", "runs/store.db", ".git/config", "tests/conftest.py"):
         assert _ignored(local, patterns), f".dockerignore lets {local} into the build context"
+
+
+# --- the images the dev cluster builds (harnessrl.devcluster.images) ------------------------------------------
+
+
+def _chart() -> tuple[dict, dict]:
+    import yaml
+
+    chart = yaml.safe_load((ROOT / "charts/harnessrl/Chart.yaml").read_text())
+    return chart, yaml.safe_load((ROOT / "charts/harnessrl/values.yaml").read_text())
+
+
+def test_the_dev_cluster_builds_every_image_under_the_references_the_chart_and_operator_use() -> None:
+    """A chart installed with default values (imagePullPolicy IfNotPresent) runs what `scripts/kube.sh images`
+    imported: each default reference is an image's reference or alias, and every Dockerfile is built."""
+    from harnessrl.devcluster.images import IMAGES as BUILT
+    from harnessrl.operator.config import OperatorConfig
+
+    chart, values = _chart()
+    references = {ref for image in BUILT for ref in (image.ref, *image.aliases)}
+    defaults = {
+        f"{values['image']['repository']}:{chart['appVersion']}",
+        OperatorConfig().proxy_image,
+        OperatorConfig().learner_image,
+        values["postgresql"]["image"],
+    }
+    assert defaults <= references, f"no image is tagged {sorted(defaults - references)}"
+    assert {Path(image.dockerfile).parent.name for image in BUILT} == {p.parent.name for p in dockerfiles()}
+
+
+def test_the_postgres_dockerfile_as_written_is_the_charts_postgresql_image() -> None:
+    args, stages = parse(IMAGES / "postgres" / "Dockerfile")
+    assert stages[0].base == _chart()[1]["postgresql"]["image"]
+
+
+def test_the_local_base_stands_in_for_every_registry_base() -> None:
+    """Each image's build arguments are ARGs of its Dockerfile, and with them every stage that is not built
+    from another stage starts from the locally bootstrapped base: no registry pull is left."""
+    from harnessrl.devcluster.images import BASE_REF
+    from harnessrl.devcluster.images import IMAGES as BUILT
+
+    for image in BUILT:
+        path = ROOT / image.dockerfile
+        declared = set(re.findall(r"^ARG (\w+)", path.read_text(), re.MULTILINE))
+        assert set(image.args) <= declared, f"{image.name}: build args {set(image.args) - declared} not in {path}"
+        bases = {stage.base for stage in parse(path, image.args)[1] if stage.parent is None}
+        assert bases == {BASE_REF}, f"{image.name}: {path} still starts from {bases - {BASE_REF}}"
+
+
+def test_the_learner_and_cpu_vllm_share_their_torch_layers() -> None:
+    """Their steps up to the torch install are the same, so on one base and with one TORCH_INDEX the second
+    build reuses the first one's ~5 GB torch layer (and containerd stores it once)."""
+
+    def until_torch(path: Path) -> list[str]:
+        lines = [line for line in re.sub(r"\\\n", " ", path.read_text()).splitlines()
+                 if line.startswith(("FROM", "ENV", "RUN"))]
+        torch = next(i for i, line in enumerate(lines) if "torch==" in line)
+        return lines[: torch + 1]
+
+    learner = until_torch(IMAGES / "learner" / "Dockerfile")
+    assert learner == until_torch(IMAGES / "vllm-cpu" / "Dockerfile")
+    assert "--index-url \"${TORCH_INDEX}\"" in learner[-1]
+
+
+@pytest.mark.parametrize("path", dockerfiles(), ids=lambda p: p.parent.name)
+def test_nothing_is_compiled_for_the_build_machine(path: Path) -> None:
+    """No -march=native, and no DeepSpeed op built at image build (DS_BUILD_*: its CPU Adam uses -march=native)."""
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.lstrip().startswith("#"))
+    assert "march=native" not in text and not re.search(r"DS_BUILD_\w+=1", text), path
+
+
+def test_the_postgres_entrypoint_initialises_the_database_the_chart_asks_for(tmp_path_factory) -> None:
+    """images/postgres/docker-entrypoint.sh with the chart's environment, on this machine's PostgreSQL binaries
+    (Debian's, as in the image): an empty PGDATA becomes POSTGRES_DB owned by POSTGRES_USER, UTF8, reached over
+    TCP with the password (scram) and refused without it; run as root it drops to the postgres user. A second
+    start keeps the data. The image itself runs it on the real node (test_real_node)."""
+    import os
+    import socket
+    import subprocess
+    import tempfile
+    import time
+
+    import psycopg
+
+    bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+    if not bins:
+        if os.environ.get("HARNESSRL_TEST_PG_REQUIRED") == "1":
+            pytest.fail("no PostgreSQL binaries under /usr/lib/postgresql (scripts/postgres.sh installs them)")
+        pytest.skip("no PostgreSQL binaries under /usr/lib/postgresql")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    folder = Path(tempfile.mkdtemp(prefix="pg-entrypoint-"))  # not under pytest's root-only tmp: postgres reads it
+    folder.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bins[-1].parent}:{os.environ['PATH']}", "PGDATA": str(folder / "data/pgdata"),
+           "PGPORT": str(port), "POSTGRES_DB": "harnessrl", "POSTGRES_USER": "harnessrl",
+           "POSTGRES_PASSWORD": "s3cret 'quoted'"}
+    entrypoint = str(IMAGES / "postgres" / "docker-entrypoint.sh")
+    for writable in ("data", "run"):  # the chart's volume and emptyDir, writable by the postgres user
+        (folder / writable).mkdir()
+        (folder / writable).chmod(0o1777)
+    where = {"host": "127.0.0.1", "port": port, "dbname": "harnessrl", "user": "harnessrl"}
+    try:
+        for start in range(2):
+            log = open(folder / f"server-{start}.log", "w")
+            server = subprocess.Popen([entrypoint, "-c", "listen_addresses=127.0.0.1",
+                                       "-c", f"unix_socket_directories={folder / 'run'}"], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT)
+            try:
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        connection = psycopg.connect(**where, password=env["POSTGRES_PASSWORD"])
+                        break
+                    except psycopg.OperationalError:
+                        assert server.poll() is None, (folder / f"server-{start}.log").read_text()
+                        assert time.monotonic() < deadline, "the server never accepted the password"
+                        time.sleep(0.3)
+                with connection:
+                    if start == 0:
+                        connection.execute("CREATE TABLE kept (x int)")
+                        connection.execute("INSERT INTO kept VALUES (7)")
+                    row = connection.execute(
+                        "SELECT current_database(), current_user, pg_encoding_to_char(encoding), "
+                        "(SELECT x FROM kept) FROM pg_database WHERE datname = current_database()"
+                    ).fetchone()
+                assert row == ("harnessrl", "harnessrl", "UTF8", 7)
+                with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+                    psycopg.connect(**where, password="wrong")
+                if os.geteuid() == 0:
+                    assert (folder / "data/pgdata").stat().st_uid != 0, "postgres ran as root"
+            finally:
+                server.terminate()
+                server.wait(timeout=60)
+                log.close()
+        assert "initialised" in (folder / "server-0.log").read_text()
+        assert "initialised" not in (folder / "server-1.log").read_text()
+    finally:
+        subprocess.run(["rm", "-rf", str(folder)], check=False)

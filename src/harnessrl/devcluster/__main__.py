@@ -86,7 +86,8 @@ def images(names: tuple[str, ...]) -> None:
     if (directory / "cluster.json").exists():
         cluster = Cluster.load(directory)
         if cluster.node and cluster.running().get("containerd"):
-            import_images(built, Path(cluster.node["run"]) / "containerd.sock", _say)
+            socket = Path(cluster.node["run"]) / "containerd.sock"
+            import_images("ctr", str(socket), built=built, log=_say)
 
 
 @main.command()

