@@ -105,7 +105,7 @@ def test_status_and_learner_metrics_show_merge_quality(store: TraceStore) -> Non
     console = Console(record=True, width=120)
     console.print(summary_table(summary))
     text = console.export_text()
-    header = next(line for line in text.splitlines() if "reward mean" in line)
+    header = next(line for line in text.splitlines() if "clip" in line)
     columns = [c.strip() for c in header.split("┃") if c.strip()]
     rows = [[c.strip() for c in line.split("│") if c.strip()] for line in text.splitlines()
             if line.strip().startswith("│")]

@@ -64,17 +64,18 @@ def test_table_and_png(trained: TraceStore, tmp_path: Path) -> None:
     from rich.console import Console
 
     summary = summarize(trained, "r")
-    console = Console(record=True, width=120)
+    console = Console(record=True, width=80)  # a terminal's default, and rich's for a file or a pipe
     console.print(summary_table(summary))
     text = console.export_text()
     assert "0.200" in text and "0.700" in text and "1.250" in text and "running 1" in text
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80, text
     lines = text.splitlines()
-    header = next(line for line in lines if "reward mean" in line)
+    header = next(line for line in lines if "clip" in line)
     columns = [c.strip() for c in header.split("┃") if c.strip()]
     # the fraction of generated tokens the loss clipped, per step (what `harnessrl status` prints too)
     clip = columns.index("clip")
     rows = [[c.strip() for c in line.split("│") if c.strip()] for line in lines if line.strip().startswith("│")]
-    assert [(row[0], row[clip]) for row in rows] == [("1", "0.125"), ("2", "-")]
+    assert [(row[0], row[1], row[clip]) for row in rows] == [("1", "2/3", "0.125"), ("2", "2/2", "-")]
 
     png = write_reward_curve(summary, tmp_path / "curve" / "reward.png")
     assert png is not None

@@ -154,19 +154,23 @@ def progress_line(summary: RunSummary, target_steps: int | None = None) -> str:
 
 
 def summary_table(summary: RunSummary):  # -> rich.table.Table (rich is imported lazily: local extra)
-    """The end-of-run table: one line per learner step, then the rollout totals."""
+    """The end-of-run table: one line per learner step, then the rollout totals. It fits 80 columns (a
+    terminal's default, and what rich assumes when writing to a file or a pipe) without cutting a value:
+    short two-line headers, succeeded/rollouts in one column, and no column may be shrunk or wrapped."""
     from rich.table import Table
 
     table = Table(title=f"harnessrl run {summary.run}: policy v{summary.policy_version}")
+    # ok/n: rollouts that succeeded / rollouts the step consumed
     # clip: the fraction of generated tokens whose ratio the loss clipped (0 with one update per step)
+    # logp corr: the learner's and vLLM's log-probs of the sampled tokens, correlated
     # merge: the step's training tokens / final trajectory tokens (1.00 when every trajectory was one row);
     # the caption adds the run's rows per rollout and split reasons
-    for column in ("step", "rollouts", "succeeded", "reward mean", "reward std", "loss", "grad norm", "clip",
-                   "logprob corr", "merge"):
-        table.add_column(column, justify="right")
+    for column in ("step", "ok/n", "reward\nmean", "reward\nstd", "loss", "grad\nnorm", "clip", "logp\ncorr",
+                   "merge"):
+        table.add_column(column, justify="right", no_wrap=True, overflow="ignore")
     for s in summary.steps:
         m = s.metrics
-        table.add_row(str(s.step), str(s.rollouts), str(s.succeeded), _fmt(s.reward_mean), _fmt(s.reward_std),
+        table.add_row(str(s.step), f"{s.succeeded}/{s.rollouts}", _fmt(s.reward_mean), _fmt(s.reward_std),
                       _fmt(m.get("loss"), 4), _fmt(m.get("grad_norm"), 3), _fmt(m.get("clip_frac"), 3),
                       _fmt(m.get("logprob_pearson"), 4), _fmt(MergeQuality.of([m]).token_ratio, 2))
     totals = ", ".join(f"{state.value} {n}" for state, n in summary.counts.items() if n)
