@@ -179,9 +179,10 @@ def test_the_postgres_image_serves_the_database_the_chart_asks_for(built: dict[s
            "PGDATA": "/var/lib/postgresql/data/pgdata"}
     container = f"pg-{os.getpid()}"
     # ctr's arguments replace the image's entrypoint too; flags first, as the chart's args would be.
-    _ctr(containerd, "run", "-d", "--net-host", "--read-only", *mounts, *(f"--env={k}={v}" for k, v in env.items()),
-         ref, container, "docker-entrypoint.sh", "-c", f"port={port}", "-c", "listen_addresses=127.0.0.1")
     try:
+        _ctr(containerd, "run", "-d", "--net-host", "--read-only", *mounts,
+             *(f"--env={k}={v}" for k, v in env.items()),
+             ref, container, "docker-entrypoint.sh", "-c", f"port={port}", "-c", "listen_addresses=127.0.0.1")
         deadline = time.monotonic() + 90
         while True:
             try:
