@@ -57,7 +57,9 @@ def training_run(store_url: str, rollouts: int, concurrency: int) -> dict:
         "metadata": {"name": RUN},
         "spec": {
             "model": {"path": "/models/m"},
-            "rollout": {"replicas": 1, "gpusPerReplica": 1},
+            # No vLLM Deployment: nothing calls it here, and a run whose vLLM the operator runs needs a shared
+            # checkpoint claim this cluster has no provisioner for.
+            "rollout": {"upstreams": ["http://127.0.0.1:9/v1"]},
             "harness": {
                 "image": "example.invalid/harness:1",
                 "command": ["harness"],

@@ -19,6 +19,12 @@ class OperatorConfig:
     """The capture-proxy sidecar (a TrainingRun's spec.proxy.image overrides it)."""
     learner_image: str = f"{IMAGE_REPOSITORY}/learner:{__version__}"
     """The DeepSpeed learner (CUDA, PyTorch, DeepSpeed, transformers)."""
+    dns_cidrs: str = "169.254.20.10/32"
+    """Addresses (comma-separated CIDRs) harness pods may query DNS at besides the cluster DNS pods: NodeLocal
+    DNSCache's default link-local address, which a pod selector cannot name (it runs in the host network)."""
+    vllm_cpu_image: str = f"{IMAGE_REPOSITORY}/vllm-cpu:{__version__}"
+    """vLLM built for the CPU (images/vllm-cpu), for runs with spec.rollout.gpusPerReplica 0 and no image;
+    vLLM's own image is CUDA-only."""
     pod_creates_per_second: float = 20.0
     """Harness pods created per second per run at most, so a burst of free slots never floods the API."""
     min_pass_interval_seconds: float = 0.25

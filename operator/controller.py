@@ -29,7 +29,7 @@ from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodApi, PodBackend, PodView
 from harnessrl.operator.render_secret import render_reward_secret
 from harnessrl.operator.status import Observed, epoch, now_iso, unavailable_since
-from harnessrl.operator.workload_pods import WorkloadPod, workload_problem
+from harnessrl.operator.workload_pods import WorkloadPod, kubelet_reason, workload_problem
 from harnessrl.policy_serving import is_lora
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
 from harnessrl.spec.harness import Tasks
@@ -162,6 +162,13 @@ class Apis:
         read = lambda: self.core.read_namespaced_secret(name, namespace).data
         return base64.b64decode(self._value(read, key, field, f"Secret {name!r}", namespace)).decode()
 
+    def claim(self, namespace: str, name: str, field: str) -> Any:
+        """A PersistentVolumeClaim; a missing one is the field's problem (the run waits for it)."""
+        return self._read(
+            lambda: self.core.read_namespaced_persistent_volume_claim(name, namespace),
+            field, f"PersistentVolumeClaim {name!r}", namespace,
+        )
+
     def config_map_value(self, namespace: str, name: str, key: str, field: str) -> str:
         read = lambda: self.core.read_namespaced_config_map(name, namespace).data
         return self._value(read, key, field, f"ConfigMap {name!r}", namespace)
@@ -229,8 +236,10 @@ class RunController:
         )
         self.run: TrainingRun | None = None
         self.store: TraceStore | None = None
+        self.store_url: str | None = None
         self.scheduler: RolloutScheduler | None = None
         self.applied_generation: int | None = None
+        self.claim_checked: tuple[int, tuple[bool, str, str] | None] | None = None  # (generation, finding)
         self.wake = threading.Event()  # set by the watch when a pod ends: reconcile now, not at the interval
 
     # --- one pass -------------------------------------------------------------------------------------------
@@ -242,12 +251,13 @@ class RunController:
         if status.get("phase") in (Phase.SUCCEEDED.value, Phase.FAILED.value):
             return self._finished(body, observed)
         try:
-            self.run = parse_training_run({k: v for k, v in body.items() if k != "status"})
+            self.run = parse_training_run({k: v for k, v in body.items() if k != "status"}, cluster=True)
         except InvalidSpec as invalid:
             return self._fail(observed, Reason.INVALID_SPEC, "; ".join(str(p) for p in invalid.problems))
         try:
             self._connect_store(observed)
             self._apply_children(generation)
+            self._check_checkpoint_claim(generation, observed)
             self._observe_workloads(observed)
             with self.backend.parallel_calls():
                 self._progress(observed, status)
@@ -284,7 +294,7 @@ class RunController:
                     "the credentials and that the database accepts connections",
                     terminal=False,
                 ) from None
-            self.store = store
+            self.store, self.store_url = store, url
             self.scheduler = RolloutScheduler(
                 store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks(),
                 evaluation_tasks=self._evaluation_tasks(),
@@ -360,7 +370,9 @@ class RunController:
         if generation == self.applied_generation and not missing:
             return
         try:
-            children = self.render_children(self.run, self.namespace, self.uid, self.config)
+            children = self.render_children(
+                self.run, self.namespace, self.uid, self.config, store_url=self.store_url
+            )
         except ValueError as error:  # the renderers name the field and the fix
             raise RunProblem(Reason.INVALID_SPEC, str(error)) from None
         for child in children:
@@ -391,6 +403,42 @@ class RunController:
                 "written)",
             ) from None
 
+    def _check_checkpoint_claim(self, generation: int, observed: Observed) -> None:
+        """Whether the learner and the vLLM pods can all mount the checkpoint claim. The CRD already requires
+        one for a run whose vLLM the operator runs; its access modes decide whether pods on different nodes
+        can share it. ReadWriteOnce can only be shared on one node (pods elsewhere would sit in
+        ContainerCreating with a Multi-Attach error): reported in the CheckpointsShared condition.
+        ReadWriteOncePod can never be shared: the run waits, naming the fix. Read once per generation (access
+        modes are immutable) until it is found and shareable."""
+        volume = self.run.spec.learner.checkpoint_volume
+        if volume is None or self.run.spec.rollout.upstreams is not None:
+            return
+        if self.claim_checked is not None and self.claim_checked[0] == generation:
+            observed.checkpoints_shared = self.claim_checked[1]
+            return
+        field = "spec.learner.checkpointVolume.pvc"
+        claim = self.apis.claim(self.namespace, volume.pvc, field)
+        modes = set(claim.spec.access_modes or [])
+        fix = "use a ReadWriteMany claim (NFS, CephFS, a cloud file store) for the checkpoints"
+        if "ReadWriteMany" in modes:
+            finding = (True, "ReadWriteMany", f"claim {volume.pvc} is ReadWriteMany: the learner and every vLLM "
+                       "replica can mount it on any node")
+        elif modes == {"ReadWriteOncePod"}:
+            raise RunProblem(
+                Reason.INVALID_SPEC,
+                f"{field}: claim {volume.pvc} is ReadWriteOncePod, so only one pod may mount it, but the learner "
+                f"and every vLLM replica must — {fix}",
+                terminal=False,
+            )
+        else:
+            shown = ", ".join(sorted(modes)) or "no access mode"
+            finding = (False, "NotShareableAcrossNodes", f"{field}: claim {volume.pvc} is {shown}: the learner "
+                       "and vLLM pods can share it only on one node, and a pod placed on another stays in "
+                       f"ContainerCreating (Multi-Attach) — {fix}, or keep them on one node with "
+                       "spec.rollout.scheduling and spec.learner.scheduling")
+        self.claim_checked = (generation, finding)
+        observed.checkpoints_shared = finding
+
     def _observe_workloads(self, observed: Observed) -> None:
         loads = self.workloads()
         spec = self.run.spec
@@ -404,6 +452,7 @@ class RunController:
             observed.rollout_ready = available > 0
             observed.rollout_message = f"{available}/{spec.rollout.replicas} vLLM replicas serve the model"
             observed.rollout_problem = workload_problem(loads.pods, naming.ROLLOUT)
+            observed.rollout_kubelet_reason = kubelet_reason(loads.pods, naming.ROLLOUT)
             if observed.rollout_problem is not None:
                 observed.rollout_message += f"; {observed.rollout_problem[1]}"
         else:
@@ -430,6 +479,7 @@ class RunController:
             else "the learner Job is being created"
         )
         observed.learner_problem = workload_problem(loads.pods, naming.LEARNER) if loads.job else None
+        observed.learner_kubelet_reason = kubelet_reason(loads.pods, naming.LEARNER) if loads.job else None
         if observed.learner_problem is not None:
             observed.learner_message += f"; {observed.learner_problem[1]}"
 

@@ -47,6 +47,10 @@ class _Meta(msgspec.Struct, omit_defaults=True):
 class _ContainerStatus(msgspec.Struct, omit_defaults=True):
     name: str | None = None
     state: dict[str, Any] | None = None
+    lastState: dict[str, Any] | None = None  # how the previous run ended (a crash loop's exit, OOMKilled)
+    ready: bool | None = None
+    started: bool | None = None
+    restartCount: int | None = None
 
 
 class _Status(msgspec.Struct, omit_defaults=True):

@@ -29,12 +29,13 @@ __all__ = ["render_harness_pod", "render_run_children"]
 
 
 def render_run_children(
-    run: TrainingRun, namespace: str, uid: str, config: OperatorConfig
+    run: TrainingRun, namespace: str, uid: str, config: OperatorConfig, store_url: str | None = None
 ) -> list[dict[str, Any]]:
     """The run's persistent children, in apply order: what others refer to (the Secret, the Services)
     before what refers to them. No vLLM objects when ``spec.rollout.upstreams`` names running servers; no
     NetworkPolicy for ``networkPolicy: none``. Harness pods come one per attempt from
-    :func:`render_harness_pod`."""
+    :func:`render_harness_pod`. ``store_url``: the store's URL as the operator resolved it (from a Secret),
+    for the NetworkPolicy's store port."""
     children = [render_run_secret(run, namespace, uid, config)]
     if not run.spec.rollout.upstreams:
         children += [
@@ -42,7 +43,7 @@ def render_run_children(
             render_rollout_pods_service(run, namespace, uid),
         ]
     children.append(render_learner_service(run, namespace, uid))
-    policy = render_network_policy(run, namespace, uid, config)
+    policy = render_network_policy(run, namespace, uid, config, store_url)
     if policy is not None:
         children.append(policy)
     if not run.spec.rollout.upstreams:

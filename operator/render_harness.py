@@ -37,6 +37,7 @@ from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch
 from harnessrl.spec.evaluation import evaluation_sampling
 from harnessrl.spec.models import TrainingRun
+from harnessrl.task_contract import task_fits_in_env
 
 HARNESS_CONTAINER = "harness"
 PROXY_CONTAINER = "proxy"
@@ -150,8 +151,10 @@ def proxy_container(run: TrainingRun, config: OperatorConfig, launch: Launch) ->
 
 
 def _attempt_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
-    """The attempt's identity and task, for the harness and the verifier alike."""
+    """The attempt's identity and task, for the harness and the verifier alike (a task too large for one
+    environment variable is in the file alone: ``harnessrl.task_contract``)."""
     task_field = f"metadata.annotations['{naming.TASK_ANNOTATION}']"
+    in_env = [env_from_field("HARNESSRL_TASK", task_field)] if task_fits_in_env(task_json(launch)) else []
     return [
         env("HARNESSRL_RUN", run.metadata.name),
         env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
@@ -159,7 +162,7 @@ def _attempt_env(run: TrainingRun, launch: Launch) -> list[dict[str, Any]]:
         env("HARNESSRL_TASK_ID", launch.task_id),
         env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
         env("HARNESSRL_TASK_FILE", TASK_FILE),
-        env_from_field("HARNESSRL_TASK", task_field),
+        *in_env,
     ]
 
 

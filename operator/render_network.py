@@ -47,19 +47,26 @@ def _rollout_rules(run: TrainingRun) -> list[dict[str, Any]]:
     return [_to_endpoint(endpoint(url, 443 if url.startswith("https:") else 80)) for url in upstreams]
 
 
-def _store_rule(run: TrainingRun, config: OperatorConfig | None) -> dict[str, Any]:
-    """The store's port: from its URL where the renderer can see one (in the spec, or the operator's own
-    store), else PostgreSQL's 5432 (a URL in a Secret is not the renderer's to read)."""
+def _store_rule(run: TrainingRun, config: OperatorConfig | None, store_url: str | None) -> dict[str, Any]:
+    """The store's port (and address, for an IP literal) from its URL: the one the operator resolved (a
+    Secret's), the spec's, or the operator's own store; PostgreSQL's 5432 only when no URL is known."""
     postgres = run.spec.store.postgres
-    url = postgres.url if postgres is not None else (config.store_url if config is not None else None)
+    spec_url = postgres.url if postgres is not None else (config.store_url if config is not None else None)
+    url = store_url or spec_url
     if url:
         return _to_endpoint(endpoint(url, POSTGRES_PORT))
     return {"ports": [_tcp(POSTGRES_PORT)]}
 
 
-def _dns_rule() -> dict[str, Any]:
+def _dns_rule(config: OperatorConfig | None) -> dict[str, Any]:
+    """DNS: the cluster DNS pods, and the node-local DNS addresses (``OperatorConfig.dns_cidrs``; NodeLocal
+    DNSCache listens on 169.254.20.10 on each node, in the host's network, where no pod selector reaches)."""
+    cidrs = (config or OperatorConfig()).dns_cidrs
+    cluster_dns = {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}
+    peers: list[dict[str, Any]] = [cluster_dns]
+    peers += [{"ipBlock": {"cidr": cidr.strip()}} for cidr in cidrs.split(",") if cidr.strip()]
     return {
-        "to": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}],
+        "to": peers,
         "ports": [{"protocol": "UDP", "port": 53}, {"protocol": "TCP", "port": 53}],
     }
 
@@ -75,14 +82,18 @@ def _custom_rules(run: TrainingRun) -> list[dict[str, Any]]:
 
 
 def render_network_policy(
-    run: TrainingRun, namespace: str, uid: str, config: OperatorConfig | None = None
+    run: TrainingRun,
+    namespace: str,
+    uid: str,
+    config: OperatorConfig | None = None,
+    store_url: str | None = None,
 ) -> dict[str, Any] | None:
     """The run's harness NetworkPolicy ``<run>-harness``, or None for ``networkPolicy: none`` (then only the
     namespace's own policies apply). ``config`` gives the operator's store URL for runs that use it."""
     sandbox = run.spec.harness.sandbox
     if sandbox.network_policy == "none":
         return None
-    egress = [*_rollout_rules(run), _store_rule(run, config), _dns_rule()]
+    egress = [*_rollout_rules(run), _store_rule(run, config, store_url), _dns_rule(config)]
     if sandbox.network_policy == "custom":
         egress += _custom_rules(run)
     name = run.metadata.name

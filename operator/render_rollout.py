@@ -28,8 +28,9 @@ from harnessrl.operator.render_common import (
     spec_env,
     writable_paths,
 )
+from harnessrl.local.vllm_server import CPU_ARGS
 from harnessrl.policy_serving import continuity_flags, is_lora, lora_flags, served_model_name
-from harnessrl.spec.models import TrainingRun
+from harnessrl.spec.models import DEFAULT_VLLM_IMAGE, TrainingRun
 
 VLLM_CACHE_ENV = {
     "VLLM_CACHE_ROOT": f"{CACHE_DIR}/vllm",
@@ -48,6 +49,15 @@ def model_argument(run: TrainingRun) -> str:
     return model.hub.id if model.hub is not None else model.path
 
 
+def vllm_image(run: TrainingRun, config: OperatorConfig) -> str:
+    """spec.rollout.image, else vLLM's CUDA image for replicas with accelerators and the operator's CPU build
+    for replicas without (vLLM's own image cannot serve on the CPU)."""
+    rollout = run.spec.rollout
+    if rollout.image:
+        return rollout.image
+    return DEFAULT_VLLM_IMAGE if rollout.gpus_per_replica > 0 else config.vllm_cpu_image
+
+
 def vllm_args(run: TrainingRun) -> list[str]:
     spec = run.spec
     rollout = spec.rollout
@@ -64,6 +74,8 @@ def vllm_args(run: TrainingRun) -> list[str]:
         args += ["--revision", spec.model.hub.revision]
     if spec.model.tokenizer:
         args += ["--tokenizer", spec.model.tokenizer]
+    if rollout.gpus_per_replica == 0:
+        args += CPU_ARGS
     return args + lora_flags(spec) + list(rollout.args) + continuity_flags(rollout.args)
 
 
@@ -106,7 +118,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     startup_failures = math.ceil(config.provisioning_timeout_seconds / PROBE_PERIOD_SECONDS)
     container: dict[str, Any] = {
         "name": "vllm",
-        "image": spec.rollout.image,
+        "image": vllm_image(run, config),
         "command": ["vllm", "serve"],
         "args": vllm_args(run),
         "env": vllm_env(run),

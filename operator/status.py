@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from harnessrl.spec.status import ConditionType, Phase, Reason
+from harnessrl.spec.status import EVALUATED_VERSIONS_SHOWN, ConditionType, Phase, Reason
 from harnessrl.store import RolloutState
 from harnessrl.store.evaluations import EvaluationResult, best_version
 
@@ -33,6 +33,9 @@ class Observed:
     learner_message: str = ""
     rollout_problem: tuple[Reason, str] | None = None  # what keeps vLLM pods from running (workload_pods.py)
     learner_problem: tuple[Reason, str] | None = None
+    rollout_kubelet_reason: str | None = None  # CrashLoopBackOff, OOMKilled, ... (RolloutReady's reason)
+    learner_kubelet_reason: str | None = None
+    checkpoints_shared: tuple[bool, str, str] | None = None  # (shared, reason, message); None: no vLLM of ours
     policy_version: int | None = None
     step: int | None = None
     counts: dict[RolloutState, int] = field(default_factory=dict)
@@ -110,7 +113,7 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
         _condition(
             ConditionType.ROLLOUT_READY,
             observed.rollout_ready,
-            "Serving" if observed.rollout_ready else "NotServing",
+            "Serving" if observed.rollout_ready else (observed.rollout_kubelet_reason or "NotServing"),
             observed.rollout_message,
             g,
             before,
@@ -118,7 +121,7 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
         _condition(
             ConditionType.LEARNER_READY,
             observed.learner_ready,
-            "Running" if observed.learner_ready else "NotRunning",
+            "Running" if observed.learner_ready else (observed.learner_kubelet_reason or "NotRunning"),
             observed.learner_message,
             g,
             before,
@@ -127,6 +130,9 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
             ConditionType.PROGRESSING, progressing, observed.reason.value, observed.message, g, before
         ),
     ]
+    if observed.checkpoints_shared is not None:
+        shared, reason, message = observed.checkpoints_shared
+        conditions.append(_condition(ConditionType.CHECKPOINTS_SHARED, shared, reason, message, g, before))
     counts = observed.counts
     status: dict[str, Any] = {
         "phase": observed.phase.value,
@@ -157,14 +163,19 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
 
 
 def evaluation_status(results: list[EvaluationResult]) -> dict[str, Any]:
-    """``status.evaluation``: a row per evaluated version, and the best complete one."""
+    """``status.evaluation``: a row per evaluated version (the baseline, the best and the newest
+    ``EVALUATED_VERSIONS_SHOWN``; the store has all), and the best complete one."""
+    best = best_version(results)
+    newest = {r.version for r in results[-EVALUATED_VERSIONS_SHOWN:]}
+    shown = [r for i, r in enumerate(results) if i == 0 or r.version in newest or r.version == best]
     versions = []
-    for r in results:
+    for r in shown:
         row = {"version": r.version, "rollouts": r.rollouts, "ended": r.ended, "rewardMean": r.reward_mean,
                "passRate": r.pass_rate, "passAtK": r.pass_at_k, "failed": r.failed, "timedOut": r.timed_out}
         versions.append({key: value for key, value in row.items() if value is not None})
     status: dict[str, Any] = {"versions": versions}
-    best = best_version(results)
+    if len(shown) < len(results):
+        status["versionsOmitted"] = len(results) - len(shown)
     if best is not None:
         status["bestVersion"] = best
     return status

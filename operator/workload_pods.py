@@ -17,6 +17,10 @@ from harnessrl.spec.status import Reason
 
 IMAGE_PULL = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"})
 CONFIG = frozenset({"CreateContainerConfigError"})
+CRASHED = frozenset({"CrashLoopBackOff", "OOMKilled"})
+NOT_READY = "NotReady"
+"""A container that started but fails its readiness probe (the kubelet's ready flag; a vLLM still loading its
+model has not started yet, which is provisioning, not a problem)."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,33 @@ def summarize_workload_pod(body: dict[str, Any]) -> WorkloadPod | None:
     for condition in status.get("conditions") or []:
         if condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
             return WorkloadPod(name, component, "Unschedulable", condition.get("message"))
-    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    for container in containers:
         waiting = (container.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in IMAGE_PULL | CONFIG:
             message = f"container {container.get('name')}: {waiting.get('message') or waiting['reason']}"
             return WorkloadPod(name, component, waiting["reason"], message)
+        if waiting.get("reason") == "CrashLoopBackOff":
+            return _crash_loop(name, component, container)
+    for container in status.get("containerStatuses") or []:
+        running = (container.get("state") or {}).get("running")
+        if running is not None and container.get("started") and container.get("ready") is False:
+            message = f"container {container.get('name')} runs but fails its readiness probe"
+            return WorkloadPod(name, component, NOT_READY, message)
     return WorkloadPod(name, component)
+
+
+def _crash_loop(name: str, component: str, container: dict[str, Any]) -> WorkloadPod:
+    """A container the kubelet restarts again and again, with how its last run ended (OOMKilled is named as
+    the problem itself: its fix is memory, not code)."""
+    ended = (container.get("lastState") or {}).get("terminated") or {}
+    why = ended.get("reason") or "exited"
+    message = f"container {container.get('name')} restarts in a loop ({container.get('restartCount', 0)} restarts)"
+    if ended:
+        message += f"; its last run ended {why} with exit code {ended.get('exitCode')}"
+        if ended.get("message"):
+            message += f": {str(ended['message']).strip()[:500]}"
+    return WorkloadPod(name, component, "OOMKilled" if why == "OOMKilled" else "CrashLoopBackOff", message)
 
 
 # What to change, per component and problem.
@@ -66,6 +91,14 @@ _FIXES = {
     (ROLLOUT, "config"): "create the Secret or ConfigMap it names, or fix spec.rollout.env / "
     "spec.model.hub.tokenSecret",
     (LEARNER, "config"): "create the Secret it names, or fix spec.store.postgres.secretRef",
+    (ROLLOUT, "OOMKilled"): "raise spec.rollout.resources.limits.memory, or lower spec.rollout.maxModelLen",
+    (LEARNER, "OOMKilled"): "raise spec.learner.resources.limits.memory, or lower spec.learner.microBatchTokens "
+    "or offload less (spec.learner.deepspeed.offload)",
+    (ROLLOUT, "CrashLoopBackOff"): "see `kubectl logs --previous` of the pod's vllm container (often the model "
+    "path, spec.rollout.args or too little memory)",
+    (LEARNER, "CrashLoopBackOff"): "see `kubectl logs --previous` of the pod's learner container",
+    (ROLLOUT, NOT_READY): "see `kubectl describe` of the pod for the probe's answer, and the vllm container's log",
+    (LEARNER, NOT_READY): "see `kubectl describe` of the pod for the probe's answer",
 }
 _WHAT = {ROLLOUT: "vLLM", LEARNER: "learner"}
 
@@ -86,8 +119,18 @@ def workload_problem(
         elif pod.problem in IMAGE_PULL:
             reason, fix = Reason.IMAGE_PULL_FAILED, _FIXES[(component, "image")]
             said = f"cannot pull its image ({pod.problem})"
+        elif pod.problem in CRASHED or pod.problem == NOT_READY:
+            reason = Reason.ROLLOUT_UNAVAILABLE if component == ROLLOUT else Reason.LEARNER_CRASHED
+            fix = _FIXES[(component, pod.problem)]
+            said = ("is not serving" if component == ROLLOUT else "is not running") + f" ({pod.problem})"
         else:
             reason, fix = Reason.INVALID_SPEC, _FIXES[(component, "config")]
             said = f"cannot start ({pod.problem})"
         return reason, f"{_WHAT[component]} pod {pod.name} {said}: {pod.message} — {fix}"
     return None
+
+
+def kubelet_reason(pods: list[WorkloadPod] | tuple[WorkloadPod, ...], component: str) -> str | None:
+    """The scheduler's or kubelet's own word for the first troubled pod of ``component`` (CrashLoopBackOff,
+    OOMKilled, ImagePullBackOff, Unschedulable, ...), for the component's condition."""
+    return next((pod.problem for pod in pods if pod.component == component and pod.problem), None)

@@ -41,7 +41,7 @@ from test_chart_dashboards import (
     start_prometheus,
     up,
 )
-from test_operator_cluster import Harnesses, training_run
+from test_operator_cluster import Harnesses, checkpoint_claim, training_run
 
 from harnessrl.devcluster import BuildError, Cluster, ClusterError, start_cluster
 from harnessrl.devcluster.helm import HelmError, ensure_helm
@@ -207,6 +207,7 @@ def test_the_operator_runs_a_whole_run_as_the_charts_service_account_with_exactl
     cluster.kubectl("create", "secret", "generic", "store", "-n", ns, f"--from-literal=url={pg_url}")
     tasks = "\n".join(json.dumps({"id": f"t{i}", "data": {"q": i}}) for i in range(4))
     cluster.kubectl("create", "configmap", "tasks", "-n", ns, f"--from-literal=tasks.jsonl={tasks}")
+    checkpoint_claim(cluster, ns)  # and the checkpoint claim, for its access modes
     doc = training_run(run, pg_url)
     doc["spec"]["store"] = {"postgres": {"secretRef": {"name": "store", "key": "url"}}}
     doc["spec"]["harness"]["tasks"] = {"configMap": {"name": "tasks", "key": "tasks.jsonl"}}

@@ -90,6 +90,8 @@ def test_a_rule_over_the_cost_budget_is_refused_by_the_server(kube: Cluster) -> 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[path.name for path in EXAMPLES])
 def test_every_example_is_accepted_by_the_server(kube: Cluster, kube_namespace: str, example: Path) -> None:
+    """Every example a cluster can run; the local minimal one is refused for the cluster-only rule alone,
+    with the message `harnessrl validate` prints for it."""
     result = kube.kubectl(
         "apply",
         "--dry-run=server",
@@ -100,6 +102,10 @@ def test_every_example_is_accepted_by_the_server(kube: Cluster, kube_namespace: 
         str(example),
         check=False,
     )
+    if example.name == "trainingrun-minimal.yaml":
+        assert result.returncode != 0 and "spec.learner.checkpointVolume: Invalid value" in result.stderr
+        assert "need a volume they share with the learner" in result.stderr, result.stderr
+        return
     assert result.returncode == 0, result.stderr
     assert "trainingrun.harnessrl.io/" in result.stdout
 
@@ -123,7 +129,12 @@ def test_each_cel_rule_agrees_with_harnessrl_validate(
     assert not accepted
     assert f"{path}: Invalid value: {crd_message(case_id)}" in refusal, refusal
     code, lines = harnessrl_validate(bad, tmp_path)
-    assert code == 1 and any(path in line and words in line for line in lines), lines
+    assert any(path in line and words in line for line in lines), lines
+    model, field = case_id.split("#")[0].split(":")
+    [rule] = [rule for rule in _model_classes(TrainingRun)[model].rules if rule.field == field]
+    # A rule only a cluster needs: `harnessrl run` takes the file, and validate says the cluster refuses it.
+    assert code == (0 if rule.cluster_only else 1), lines
+    assert any("a cluster refuses it" in line for line in lines) == rule.cluster_only, lines
 
 
 @pytest.mark.parametrize(
@@ -285,3 +296,15 @@ def test_the_changeable_fields_change_and_bump_the_generation(kube: Cluster, kub
         for part in path.split(".")[1:]:
             expected = expected[part]
         assert value == expected, path
+
+
+def test_a_name_too_long_for_the_runs_objects_is_refused_by_the_server(kube: Cluster, kube_namespace: str) -> None:
+    """The CRD's root rule and ObjectMeta agree: 50 characters are accepted, 51 refused naming metadata.name."""
+    from harnessrl.spec.kube import RUN_NAME_MAX
+
+    doc = copy.deepcopy(MINIMAL)
+    doc["metadata"]["name"] = "n" * RUN_NAME_MAX
+    assert dry_run(kube, kube_namespace, doc)[0]
+    doc["metadata"]["name"] += "n"
+    accepted, refusal = dry_run(kube, kube_namespace, doc)
+    assert not accepted and "metadata.name: Too long" in refusal and f"more than {RUN_NAME_MAX}" in refusal, refusal

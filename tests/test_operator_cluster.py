@@ -58,10 +58,35 @@ def training_run(name: str, store_url: str, **harness: Any) -> dict[str, Any]:
                 **harness,
             },
             # Groups outstanding are bounded by (maxStaleness + 1) * tasksPerStep: 16 rollouts, no learner here.
-            "learner": {"steps": 3, "tasksPerStep": 4},
+            "learner": {
+                "steps": 3,
+                "tasksPerStep": 4,
+                # the claim `operator()` creates: vLLM loads what the learner writes from it
+                "checkpointDir": f"/checkpoints/{name}",
+                "checkpointVolume": {"pvc": CHECKPOINT_CLAIM, "mountPath": "/checkpoints", "readOnly": False},
+            },
             "store": {"postgres": {"url": store_url}},
         },
     }
+
+
+CHECKPOINT_CLAIM = "checkpoints"
+
+
+def checkpoint_claim(
+    kube: Cluster, ns: str, name: str = CHECKPOINT_CLAIM, modes: tuple[str, ...] = ("ReadWriteMany",)
+) -> None:
+    """A claim bound at once to a volume made for it (no provisioner runs here; kwok mounts nothing)."""
+    volume = f"{ns}-{name}"[:253]
+    kube.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": volume},
+         "spec": {"capacity": {"storage": "1Gi"}, "accessModes": list(modes), "storageClassName": "",
+                  "persistentVolumeReclaimPolicy": "Delete", "hostPath": {"path": f"/tmp/harnessrl-test/{volume}"},
+                  "claimRef": {"namespace": ns, "name": name}}},
+        {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": name, "namespace": ns},
+         "spec": {"accessModes": list(modes), "storageClassName": "", "volumeName": volume,
+                  "resources": {"requests": {"storage": "1Gi"}}}},
+    ]}))
 
 
 def get(kube: Cluster, ns: str, *args: str) -> dict[str, Any]:
@@ -75,6 +100,7 @@ def harness_pods(kube: Cluster, ns: str, run: str) -> list[dict[str, Any]]:
 @contextmanager
 def operator(kube: Cluster, ns: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[KopfRunner]:
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig))
+    checkpoint_claim(kube, ns)
     args = ["run", "--standalone", "--namespace", ns, "-m", "harnessrl.operator.handlers"]
     with KopfRunner(args, timeout=120) as runner:
         yield runner
@@ -175,6 +201,7 @@ def test_a_run_provisions_children_runs_rollouts_and_reports_status(
                 "RolloutReady": "True",
                 "LearnerReady": "True",
                 "Progressing": "True",
+                "CheckpointsShared": "True",
             }
             assert status["observedGeneration"] == 1
             # every pass is timed (the operator runs in this process: its registry is this one)

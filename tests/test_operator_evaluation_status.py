@@ -61,3 +61,18 @@ def test_sidecars_get_the_evaluation_sampling_only_when_the_run_evaluates() -> N
     document["spec"]["evaluation"] = {"tasks": {"inline": [{"id": "h"}]}, "temperature": 0.5, "topP": 0.9}
     proxy = env_of(container(harness_pod(parse_training_run(document))["spec"], "proxy"))
     assert json.loads(proxy["HARNESSRL_EVALUATION_SAMPLING"]) == {"temperature": 0.5, "top_p": 0.9}
+
+
+def test_a_long_runs_status_keeps_the_baseline_the_best_and_the_newest_versions() -> None:
+    """status.evaluation.versions is capped (an object is limited to 1.5 MiB): of 100 evaluated versions the
+    status shows the baseline, the best and the newest 20, and says how many it left out."""
+    from harnessrl.spec.status import EVALUATED_VERSIONS_SHOWN
+
+    results = [result(v, 4, 0.1, 0.1) for v in range(100)]
+    results[30] = result(30, 4, 0.9, 1.0)  # the best, long ago
+    status = build_status(observed(evaluation=results), None)
+    TrainingRunStatus.model_validate(status)
+    shown = [row["version"] for row in status["evaluation"]["versions"]]
+    assert shown == [0, 30, *range(100 - EVALUATED_VERSIONS_SHOWN, 100)]
+    assert status["evaluation"]["versionsOmitted"] == 100 - len(shown)
+    assert status["evaluation"]["bestVersion"] == 30

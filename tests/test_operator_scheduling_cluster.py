@@ -67,7 +67,6 @@ def test_tainted_pools_take_only_the_components_that_tolerate_them(
             assert failed["reason"] == "InvalidSpec", failed
             assert "Deployment bad-affinity-rollout" in failed["message"], failed
             assert "nodeSelectorTerms" in failed["message"] and "scheduling.affinity" in failed["message"]
-            for name in ("pooled", "bad-affinity"):
-                kube.kubectl("delete", "tr", name, "-n", ns, "--wait=true", "--timeout=60s")
+            kube.kubectl("delete", "tr", "--all", "-n", ns, "--wait=true", "--timeout=90s")
     finally:
         kube.kubectl("delete", "node", "tainted-gpu-1", "--wait=false", check=False)

@@ -48,7 +48,12 @@ def training_run(name: str, store: dict[str, Any] | None = None) -> dict[str, An
             "command": ["python", "-m", "harness"],
             "tasks": {"inline": [{"id": "t1", "data": {"q": 1}}]},
         },
-        "learner": {"steps": 1, "tasksPerStep": 1},
+        "learner": {
+            "steps": 1,
+            "tasksPerStep": 1,
+            "checkpointDir": "/checkpoints/run",
+            "checkpointVolume": {"pvc": "checkpoints", "mountPath": "/checkpoints", "readOnly": False},
+        },
         "proxy": {"port": 8123},
     }
     if store is not None:

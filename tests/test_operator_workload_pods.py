@@ -9,7 +9,12 @@ from typing import Any
 import pytest
 
 from harnessrl.operator.naming import COMPONENT_LABEL, RUN_LABEL
-from harnessrl.operator.workload_pods import WorkloadPod, summarize_workload_pod, workload_problem
+from harnessrl.operator.workload_pods import (
+    WorkloadPod,
+    kubelet_reason,
+    summarize_workload_pod,
+    workload_problem,
+)
 from harnessrl.spec.status import Reason
 
 
@@ -97,3 +102,41 @@ def test_a_troubled_pod_becomes_the_runs_reason_naming_the_field(
     assert all(text in problem[1] for text in says), problem[1]
     other = "learner" if component == "rollout" else "rollout"
     assert workload_problem(pods, other) is None
+
+
+def crash_loop(container: str, ended: dict) -> dict:
+    return {"phase": "Running", "containerStatuses": [{
+        "name": container, "restartCount": 4, "ready": False, "started": False,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 1m20s restarting failed container"}},
+        "lastState": {"terminated": ended},
+    }]}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("component", "status", "kubelet", "reason", "says"),
+    [
+        ("rollout", crash_loop("vllm", {"reason": "OOMKilled", "exitCode": 137}), "OOMKilled",
+         Reason.ROLLOUT_UNAVAILABLE, ["4 restarts", "ended OOMKilled with exit code 137", "limits.memory"]),
+        ("learner", crash_loop("learner", {"reason": "Error", "exitCode": 1, "message": "CUDA error: no device"}),
+         "CrashLoopBackOff", Reason.LEARNER_CRASHED, ["ended Error with exit code 1: CUDA error", "--previous"]),
+        ("rollout", {"phase": "Running", "containerStatuses": [
+            {"name": "vllm", "ready": False, "started": True, "state": {"running": {}}}]},
+         "NotReady", Reason.ROLLOUT_UNAVAILABLE, ["fails its readiness probe"]),
+    ],
+    ids=["vllm-oom", "learner-crash-loop", "vllm-not-ready"],
+)
+def test_crash_loops_oom_kills_and_failing_probes_are_named_with_the_kubelets_reason(
+    component: str, status: dict, kubelet: str, reason: Reason, says: list[str]
+) -> None:
+    pods = (summarize_workload_pod(body(component, **status)),)
+    assert kubelet_reason(pods, component) == kubelet
+    problem = workload_problem(pods, component)
+    assert problem is not None and problem[0] is reason
+    assert all(text in problem[1] for text in says), problem[1]
+
+
+def test_a_replica_still_loading_its_model_is_no_problem() -> None:
+    loading = {"phase": "Running", "containerStatuses": [
+        {"name": "vllm", "ready": False, "started": False, "state": {"running": {}}}]}
+    pods = (summarize_workload_pod(body("rollout", **loading)),)
+    assert workload_problem(pods, "rollout") is None and kubelet_reason(pods, "rollout") is None

@@ -639,9 +639,24 @@ def test_network_policy_custom_adds_the_egress_cidrs() -> None:
     } in egress
     rollout = {"podSelector": {"matchLabels": naming.selector("swe-qwen", naming.ROLLOUT)}}
     assert {"to": [rollout], "ports": [{"protocol": "TCP", "port": 8000}]} in egress
-    assert {"ports": [{"protocol": "TCP", "port": 5432}]} in egress
+    assert {"ports": [{"protocol": "TCP", "port": 5432}]} in egress  # the URL is in a Secret not read here
     dns = next(rule for rule in egress if {"protocol": "UDP", "port": 53} in rule.get("ports", []))
-    assert dns["to"] == [{"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+    assert dns["to"] == [
+        {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}},
+        {"ipBlock": {"cidr": "169.254.20.10/32"}},  # NodeLocal DNSCache, in the host network of each node
+    ]
+
+
+def test_the_store_port_comes_from_the_url_the_operator_resolved() -> None:
+    """A store URL read from the run's Secret gives the policy its port (and address, for an IP literal)."""
+    run = parse_training_run(CLUSTER)
+    url = "postgresql+psycopg://u:p@10.3.3.3:6432/db"
+    children = render_run_children(run, NAMESPACE, UID, CONFIG, store_url=url)
+    egress = by_kind(children, "NetworkPolicy")["spec"]["egress"]
+    assert {"to": [{"ipBlock": {"cidr": "10.3.3.3/32"}}], "ports": [{"protocol": "TCP", "port": 6432}]} in egress
+    assert not any(rule.get("ports") == [{"protocol": "TCP", "port": 5432}] for rule in egress)
+    by_name = render_network_policy(run, NAMESPACE, UID, CONFIG, "postgresql://u@db.example:7000/db")
+    assert {"ports": [{"protocol": "TCP", "port": 7000}]} in by_name["spec"]["egress"]
 
 
 def test_network_policy_proxy_only_with_literal_addresses() -> None:
@@ -746,3 +761,50 @@ def test_learner_and_vllm_write_only_to_volumes(name: str) -> None:
         path = run.spec.learner.checkpoint_volume.mount_path
         assert path in writable_mounts(job, container(job, "learner"))
         assert path not in writable_mounts(deployment, deployment["containers"][0])
+
+
+# --- names and images that follow from the spec ----------------------------------------------------------------
+
+
+def test_every_name_derived_from_the_longest_run_name_is_valid() -> None:
+    """A run name at the limit (spec.kube.RUN_NAME_MAX) keeps every child's name, the learner pods' host names
+    and the label values a DNS-1035 label of at most 63 characters; one more character is refused."""
+    from harnessrl.spec.kube import RUN_NAME_MAX
+
+    doc = copy.deepcopy(CLUSTER)
+    doc["metadata"]["name"] = "r" * RUN_NAME_MAX
+    run = parse_training_run(doc)
+    names = []
+    for obj in render_all(run):
+        if obj["kind"] != "Pod":  # a pod's name may be longer (its host name is cut to 63)
+            names.append(obj["metadata"]["name"])
+        names += obj["metadata"].get("labels", {}).values()
+        if obj["kind"] == "Job":
+            names.append(f"{obj['metadata']['name']}-{obj['spec']['completions'] * 50 - 1}")  # pod host names
+    longest = max(names, key=len)
+    services = [o["metadata"]["name"] for o in render_all(run) if o["kind"] == "Service"]
+    assert len(longest) <= 63 and max(len(n) for n in services) == 63, longest
+    doc["metadata"]["name"] += "r"
+    with pytest.raises(Exception, match="limit is 50"):
+        parse_training_run(doc)
+
+
+def test_cpu_replicas_get_the_cpu_build_of_vllm_unless_an_image_is_named() -> None:
+    cpu = variant(MINIMAL, lambda s: s.setdefault("rollout", {}).update(gpusPerReplica=0))
+    server = vllm(cpu)
+    assert server["image"] == CONFIG.vllm_cpu_image
+    assert server["args"][-3:] == ["--enforce-eager", "--distributed-executor-backend", "uni"]
+    assert "resources" not in server or "nvidia.com/gpu" not in json.dumps(server["resources"])
+    gpu = vllm(parse_training_run(MINIMAL))
+    assert gpu["image"] == "vllm/vllm-openai:v0.32.0" and "--enforce-eager" not in gpu["args"]
+    named = variant(MINIMAL, lambda s: s.setdefault("rollout", {}).update(gpusPerReplica=0, image="my/vllm:1"))
+    assert vllm(named)["image"] == "my/vllm:1"
+
+
+def test_a_task_above_the_env_limit_is_in_the_file_alone() -> None:
+    """Kubernetes would start the harness with a 200 KiB env var and the exec would fail (E2BIG)."""
+    task = {"id": "big", "data": {"blob": "x" * (200 * 1024)}}
+    pod = harness_pod(parse_training_run(CLUSTER), task=task)
+    harness = env_of(container(pod["spec"], "harness"))
+    assert "HARNESSRL_TASK" not in harness and harness["HARNESSRL_TASK_FILE"] == "/etc/harnessrl/task.json"
+    assert "HARNESSRL_TASK" in env_of(container(harness_pod(parse_training_run(CLUSTER))["spec"], "harness"))

@@ -15,7 +15,6 @@ from test_spec_rules import MINIMAL, merged, spec
 from harnessrl.spec.documents import load_documents
 from harnessrl.spec.learner import Algorithm, Learner, Lora
 from harnessrl.spec.models import (
-    DEFAULT_VLLM_IMAGE,
     TrainingRunSpec,
 )
 from harnessrl.spec.problems import InvalidSpec, parse_training_run, validate_document
@@ -29,7 +28,7 @@ def test_minimal_spec_gets_runnable_defaults() -> None:
     s = run.spec
     assert run.metadata.name == "rules"
     assert (s.rollout.replicas, s.rollout.gpus_per_replica, s.rollout.tensor_parallel) == (1, 1, 1)
-    assert s.rollout.image == DEFAULT_VLLM_IMAGE
+    assert s.rollout.image is None  # the operator picks vLLM's CUDA image or its CPU build (gpusPerReplica)
     assert (s.rollout.temperature, s.rollout.top_p, s.rollout.max_tokens, s.rollout.upstreams) == (
         1.0,
         1.0,

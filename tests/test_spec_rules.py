@@ -25,6 +25,11 @@ MINIMAL: dict[str, Any] = {
     "spec": {
         "model": {"path": "/models/m"},
         "harness": {"command": ["python", "-m", "h"], "tasks": {"inline": [{"id": "t1"}]}},
+        # What a cluster needs (a rule of its own below): the learner and vLLM share the checkpoints.
+        "learner": {
+            "checkpointDir": "/ckpt/run",
+            "checkpointVolume": {"pvc": "ckpt", "mountPath": "/ckpt", "readOnly": False},
+        },
     },
 }
 
@@ -122,7 +127,8 @@ def cel_failures(doc: dict[str, Any]) -> dict[str, str]:
 
 
 def python_paths(doc: dict[str, Any]) -> set[str]:
-    return {problem.path for problem in validate_document(doc)}
+    """What ``harnessrl validate`` refuses for a cluster, where the CRD's rules all apply."""
+    return {problem.path for problem in validate_document(doc, cluster=True)}
 
 
 # --- explicit cases: one accepted and one refused document per rule ------------------------------------
@@ -182,7 +188,8 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
                 }
             }
         ),
-        spec({"learner": {"checkpointDir": "/ckpt", "checkpointVolume": {"pvc": "c", "mountPath": "/ckpt"}}}),
+        spec({"learner": {"checkpointDir": "/ckpt",
+                          "checkpointVolume": {"pvc": "c", "mountPath": "/ckpt", "readOnly": True}}}),
         "spec.learner.checkpointVolume.readOnly",
         "set checkpointVolume.readOnly to false",
     ),
@@ -355,6 +362,13 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
         "samplesPerTask is 4 but temperature is 0 (greedy)",
     ),
     (
+        "TrainingRunSpec:learner.checkpointVolume",
+        spec({"rollout": {"upstreams": ["http://vllm:8000/v1"]}, "learner": {"checkpointVolume": None}}),
+        spec({"rollout": {"replicas": 2}, "learner": {"checkpointVolume": None, "checkpointDir": "checkpoints"}}),
+        "spec.learner.checkpointVolume",
+        "need a volume they share with the learner",
+    ),
+    (
         "Toleration:value",
         spec({"rollout": {"scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}}}),
         spec({"rollout": {"scheduling": {"tolerations": [{"key": "gpu", "operator": "Exists", "value": "x"}]}}}),
@@ -391,9 +405,9 @@ CASES: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
     "good, bad, path, words", [case[1:] for case in CASES], ids=[case[0] for case in CASES]
 )
 def test_rule_accepts_good_and_refuses_bad(good: dict, bad: dict, path: str, words: str) -> None:
-    assert validate_document(good) == []
+    assert validate_document(good, cluster=True) == []
     assert cel_failures(good) == {}
-    problems = validate_document(bad)
+    problems = validate_document(bad, cluster=True)
     assert [problem.path for problem in problems] == [path]
     assert words in problems[0].message
     assert " — " in problems[0].message  # every message says what to do

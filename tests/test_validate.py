@@ -49,6 +49,27 @@ def test_valid_examples_print_ok() -> None:
     assert [line for line in lines if ": only on a cluster" not in line] == [f"{path}: OK" for path in examples]
 
 
+def test_a_cluster_run_without_a_shared_checkpoint_volume_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    """A file written for a cluster (it sets harness.image) runs with `harnessrl run`, but the operator's vLLM
+    could never load what its learner writes: validate says the cluster refuses it, naming the field and the
+    fix, and still exits 0. A file with no cluster field (the minimal example) gets no such line."""
+    path = write(tmp_path, "novolume.yaml", """
+apiVersion: harnessrl.io/v1alpha1
+kind: TrainingRun
+metadata: {name: novolume}
+spec:
+  model: {path: /models/m}
+  harness: {image: h:1, command: [h], tasks: {inline: [{id: t1}]}}
+""")
+    code, lines = run_validate(path)
+    assert code == 0 and lines[0] == f"{path}: OK"
+    [refusal] = [line for line in lines if "a cluster refuses it" in line]
+    assert "spec.learner.checkpointVolume" in refusal and "ReadWriteMany" in refusal and "upstreams" in refusal
+    assert run_validate(str(ROOT / "examples" / "trainingrun-minimal.yaml"))[1] == [
+        f"{ROOT / 'examples' / 'trainingrun-minimal.yaml'}: OK"
+    ]
+
+
 def test_fields_only_a_cluster_reads_are_named_after_ok(tmp_path: Path) -> None:
     """A file written for a cluster validates for `harnessrl run` too, which says what it leaves alone."""
     path = write(
@@ -65,13 +86,17 @@ spec:
     command: [python, -m, h]
     tasks: {inline: [{id: t1}]}
     sandbox: {runtimeClassName: gvisor}
-  learner: {nodes: 2, steps: 5}
+  learner:
+    nodes: 2
+    steps: 5
+    checkpointDir: /ckpt/both
+    checkpointVolume: {pvc: ckpt, mountPath: /ckpt, readOnly: false}
 """,
     )
     assert run_validate(path) == (0, [
         f"{path}: OK",
         f"{path}: only on a cluster (harnessrl run leaves them alone): spec.rollout.image, spec.harness.sandbox, "
-        "spec.learner.nodes",
+        "spec.learner.nodes, spec.learner.checkpointVolume",
     ])
 
 

@@ -18,6 +18,7 @@ from typing import IO
 
 from harnessrl.local.orphans import die_with_parent
 from harnessrl.scheduler import HarnessExit, Launch
+from harnessrl.task_contract import task_fits_in_env
 
 
 @dataclass
@@ -87,9 +88,11 @@ class ProcessBackend:
             HARNESSRL_ATTEMPT=str(launch.attempt),
             HARNESSRL_TASK_ID=launch.task_id,
             HARNESSRL_TASK_FILE=str(directory / "task.json"),
-            HARNESSRL_TASK=json.dumps(launch.task),
             HARNESSRL_POLICY_VERSION=str(launch.policy_version),
         )
+        task = json.dumps(launch.task)
+        if task_fits_in_env(task):  # a larger one is in the file alone (E2BIG)
+            env["HARNESSRL_TASK"] = task
         if self.verifier is not None:
             env["HARNESSRL_WORKSPACE"] = str(directory)
         return env

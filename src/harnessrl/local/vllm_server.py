@@ -77,6 +77,11 @@ def vllm_env(inductor_cache: Path | None = None, cpu: bool = True) -> dict[str, 
     return env
 
 
+CPU_ARGS = ("--enforce-eager", "--distributed-executor-backend", "uni")
+"""What vLLM on the CPU needs: no CUDA graphs to capture, and the engine in the server's own process (the
+multiprocessing executor's workers are for accelerators). The operator passes the same to CPU replicas."""
+
+
 def vllm_command(model_dir: Path, port: int, served_name: str, max_model_len: int, cpu: bool = True,
                  extra_args: Sequence[str] = ()) -> list[str]:
     command = [
@@ -85,7 +90,7 @@ def vllm_command(model_dir: Path, port: int, served_name: str, max_model_len: in
         "--max-model-len", str(max_model_len), "--disable-log-stats", "--logprobs-mode", "processed_logprobs",
     ]
     if cpu:
-        command += ["--enforce-eager", "--distributed-executor-backend", "uni"]
+        command += list(CPU_ARGS)
     return command + list(extra_args)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Self
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationInfo, model_validator
 from pydantic.alias_generators import to_camel
 
 from harnessrl.spec.rules import Rule, enforce
@@ -42,8 +42,8 @@ class SpecModel(BaseModel):
     ``harnessrl.spec.changes``. None: the object is compared as a whole by the object holding it."""
 
     @model_validator(mode="after")
-    def _enforce_rules(self) -> Self:
-        enforce(self, self.rules)
+    def _enforce_rules(self, info: ValidationInfo) -> Self:
+        enforce(self, self.rules, cluster=bool((info.context or {}).get("cluster")))
         return self
 
 

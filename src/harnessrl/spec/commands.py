@@ -101,6 +101,11 @@ def validate_file(name: str) -> tuple[int, list[str]]:
     cluster_only = [path for document in ours for path in cluster_only_paths(parse_training_run(document.data).spec)]
     if cluster_only:
         ok.append(f"{name}: only on a cluster (harnessrl run leaves them alone): {', '.join(cluster_only)}")
+    # Rules only a cluster needs, for a file written for one (it sets fields only a cluster reads): harnessrl
+    # run accepts it, the API server would not.
+    for document in ours if cluster_only else ():
+        for problem in validate_document(document.data, cluster=True):
+            ok.append(f"{name}:{document.line_of(problem.loc)}: a cluster refuses it: {problem}")
     return 0, ok
 
 

@@ -22,6 +22,7 @@ from pydantic_core import core_schema
 
 from harnessrl.spec.base import SpecModel
 from harnessrl.spec.changes import changeable_paths, transition_rules
+from harnessrl.spec.kube import RUN_NAME_MAX
 from harnessrl.spec.models import GROUP, KIND, VERSION, TrainingRun, TrainingRunSpec
 
 PLURAL = "trainingruns"
@@ -181,7 +182,12 @@ def _openapi_schema() -> dict[str, Any]:
     )
     # The API server owns metadata (a CRD may only constrain name and generateName), and always sets
     # apiVersion and kind, so the schema neither describes nor requires them.
-    root["properties"]["metadata"] = {"type": "object"}
+    # The one constraint on metadata a CRD may carry: the name's length, so every object named after the run
+    # stays a valid name (ObjectMeta checks the same in Python, with the fix).
+    root["properties"]["metadata"] = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": RUN_NAME_MAX}},
+    }
     root["required"] = [name for name in root["required"] if name not in ("apiVersion", "kind", "metadata")]
     return root
 
@@ -244,4 +250,6 @@ def strict_json_schema(schema: dict[str, Any] | None = None) -> dict[str, Any]:
         for key in ("items", "additionalProperties"):
             if isinstance(current.get(key), dict):
                 pending.append(current[key])
+    if schema is None:  # the API server owns metadata's other fields (labels, annotations, ...)
+        node["properties"]["metadata"].pop("additionalProperties", None)
     return node

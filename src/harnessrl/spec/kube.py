@@ -20,10 +20,11 @@ from harnessrl.spec.rules import Rule, exactly_one
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 ENV_NAME = r"^[-._a-zA-Z][-._a-zA-Z0-9]*$"
 ABSOLUTE_PATH = r"^/"
-# Child objects are named "<run>-<suffix>"; a DNS-1035 label of at most 52 characters leaves room for the
-# suffixes and keeps Service names valid (the limit Kubernetes sets on CronJob names, for the same reason).
+# Child objects are named "<run>-<suffix>" and Service names are DNS-1035 labels of at most 63 characters: the
+# longest suffix, the vLLM replicas' headless Service "-rollout-pods" (operator/naming.py; a test checks every
+# derived name), leaves 50. The CRD refuses a longer name with the same limit (crd.py).
 RUN_NAME = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
-RUN_NAME_MAX = 52
+RUN_NAME_MAX = 63 - len("-rollout-pods")
 # Strings that CEL rules read carry a maxLength, so the API server's cost estimate for the rule stays small.
 PATH_MAX = 4096
 QUANTITY = (

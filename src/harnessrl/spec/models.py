@@ -95,8 +95,9 @@ class Rollout(SpecModel):
     """Tensor-parallel size of each replica."""
     max_model_len: int = Field(default=32768, ge=1)
     """Longest prompt + completion a replica accepts (vLLM --max-model-len)."""
-    image: str = Field(default=DEFAULT_VLLM_IMAGE, min_length=1)
-    """vLLM server image."""
+    image: str | None = Field(default=None, min_length=1)
+    """vLLM server image; unset: vllm/vllm-openai:v0.32.0 (CUDA only) when gpusPerReplica is above 0, the
+    operator's CPU build of the same vLLM (ghcr.io/harnessrl/vllm-cpu:<version>) when it is 0."""
     args: list[str] = Field(default_factory=list)
     """Extra vLLM command-line arguments."""
     env: list[EnvVar] = Field(default_factory=list)
@@ -295,6 +296,17 @@ class TrainingRunSpec(SpecModel):
             holds=lambda s: s.weight_sync.method != "lora" or s.learner.lora is not None,
             problem="weightSync.method lora needs learner.lora",
             fix="add learner.lora (e.g. {rank: 16}) or set weightSync.method to reload",
+        ),
+        Rule(
+            field="learner.checkpointVolume",
+            cel="has(self.rollout.upstreams) || has(self.learner.checkpointVolume)",
+            holds=lambda s: s.rollout.upstreams is not None or s.learner.checkpoint_volume is not None,
+            problem="the operator's vLLM pods load each new version from the learner's checkpoints, so they "
+            "need a volume they share with the learner",
+            fix="set learner.checkpointVolume to a ReadWriteMany claim ({pvc: checkpoints, mountPath: "
+            "/checkpoints, readOnly: false}) with learner.checkpointDir inside it, or serve from "
+            "rollout.upstreams",
+            cluster_only=True,
         ),
     )
 

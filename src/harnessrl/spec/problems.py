@@ -15,7 +15,7 @@ from harnessrl.spec.crd import openapi_schema
 from harnessrl.spec.documents import Loc
 from harnessrl.spec.kube import PATTERN_HINTS
 from harnessrl.spec.models import TrainingRun
-from harnessrl.spec.rules import RULE_ERROR_TYPE
+from harnessrl.spec.rules import CLUSTER_CONTEXT, RULE_ERROR_TYPE
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -43,10 +43,11 @@ class InvalidSpec(ValueError):
         super().__init__("\n".join(str(problem) for problem in problems))
 
 
-def parse_training_run(doc: Any) -> TrainingRun:
+def parse_training_run(doc: Any, cluster: bool = False) -> TrainingRun:
     """The TrainingRun in ``doc`` (parsed YAML/JSON); raises :class:`InvalidSpec` listing every problem.
 
     Fields must be spelled in camelCase, as in the CRD: the Python names are not accepted from documents.
+    ``cluster``: also the rules only a cluster needs (``Rule.cluster_only``), as the API server applies them.
     """
     if not isinstance(doc, dict):
         raise InvalidSpec(
@@ -59,15 +60,17 @@ def parse_training_run(doc: Any) -> TrainingRun:
             ]
         )
     try:
-        return TrainingRun.model_validate(doc, by_alias=True, by_name=False)
+        return TrainingRun.model_validate(
+            doc, by_alias=True, by_name=False, context=CLUSTER_CONTEXT if cluster else None
+        )
     except ValidationError as error:
         raise InvalidSpec(problems_from_error(error)) from None
 
 
-def validate_document(doc: Any) -> list[Problem]:
-    """Every problem with ``doc``; empty when it is a valid TrainingRun."""
+def validate_document(doc: Any, cluster: bool = False) -> list[Problem]:
+    """Every problem with ``doc``; empty when it is a valid TrainingRun (on a cluster too, with ``cluster``)."""
     try:
-        parse_training_run(doc)
+        parse_training_run(doc, cluster)
     except InvalidSpec as invalid:
         return invalid.problems
     return []

@@ -36,6 +36,10 @@ class Rule:
     """camelCase path from the object to the field to blame ('' = the object itself), e.g. ``clip``."""
     explain: Callable[[Any], str] | None = None
     """The problem stated with the document's own values, e.g. ``low 0.3 is above high 0.2``."""
+    cluster_only: bool = False
+    """A rule only a cluster needs (``harnessrl run`` has one machine and one filesystem): the CRD always
+    carries it, and Python enforces it when validating for a cluster (``CLUSTER_CONTEXT``: the operator,
+    ``harnessrl validate``'s cluster check)."""
 
     @property
     def message(self) -> str:
@@ -55,9 +59,18 @@ class Rule:
         return entry
 
 
-def enforce(obj: Any, rules: tuple[Rule, ...]) -> None:
-    """Raise one pydantic error that carries every rule ``obj`` breaks (pydantic allows one per validator)."""
-    broken = tuple((rule.field, rule.describe(obj)) for rule in rules if not rule.holds(obj))
+CLUSTER_CONTEXT = {"cluster": True}
+"""The pydantic validation context under which cluster-only rules are enforced too."""
+
+
+def enforce(obj: Any, rules: tuple[Rule, ...], cluster: bool = False) -> None:
+    """Raise one pydantic error that carries every rule ``obj`` breaks (pydantic allows one per validator);
+    cluster-only rules count only when ``cluster``."""
+    broken = tuple(
+        (rule.field, rule.describe(obj))
+        for rule in rules
+        if (cluster or not rule.cluster_only) and not rule.holds(obj)
+    )
     if broken:
         summary = "; ".join(f"{field}: {message}" if field else message for field, message in broken)
         raise PydanticCustomError(RULE_ERROR_TYPE, "{summary}", {"summary": summary, "violations": broken})

@@ -48,6 +48,9 @@ class ConditionType(StrEnum):
     LEARNER_READY = "LearnerReady"
     STORE_READY = "StoreReady"
     PROGRESSING = "Progressing"
+    CHECKPOINTS_SHARED = "CheckpointsShared"
+    """Whether the checkpoint claim can be mounted by the learner and vLLM on different nodes (its access
+    modes); only on runs whose vLLM the operator runs."""
 
 
 class ConditionStatus(StrEnum):
@@ -104,11 +107,18 @@ class EvaluatedVersion(StatusModel):
     """Rollouts that ran past harness.timeoutSeconds."""
 
 
+EVALUATED_VERSIONS_SHOWN = 20
+
+
 class EvaluationStatus(StatusModel):
     """Evaluation results per version (spec.evaluation)."""
 
-    versions: list[EvaluatedVersion] = Field(default_factory=list)
-    """Every evaluated version, oldest first."""
+    versions: list[EvaluatedVersion] = Field(default_factory=list, max_length=EVALUATED_VERSIONS_SHOWN + 2)
+    """Evaluated versions, oldest first: the baseline (the first), the best, and the newest
+    EVALUATED_VERSIONS_SHOWN, so a long run's status stays small (an object is capped at 1.5 MiB); `harnessrl
+    status` and the dashboards read every version from the store."""
+    versions_omitted: int = Field(default=0, ge=0)
+    """Evaluated versions left out of versions."""
     best_version: int | None = Field(default=None, ge=0)
     """The best complete evaluation (pass rate, then mean reward): what harnessrl export --version best writes
     and checkpoint pruning keeps."""
