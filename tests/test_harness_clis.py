@@ -17,7 +17,8 @@ The random model is steered through the proxy's sampling override, as an RL run 
 ``FORCED`` (``tool_choice`` required, with biases that end the arguments and the answer as soon as the grammar
 allows) for tool calls. The checks are the issue's: every call the CLI made is stored, every completion token
 has a log-prob, one training row per conversation of at most 1.05x its final trajectory's tokens, and the stored
-token ids decode to exactly the tool calls the CLI received (read from the CLI's own transcript).
+token ids decode to exactly the tool calls the CLI received (read from the CLI's own transcript). The proxy
+sends its stream keep-alives after 50 ms, so both CLIs are shown to read them.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ CLI_TIMEOUT_S = 600
 # Claude Code's tools that execute or reach out; what is left reads (Read, Glob, Grep) or plans (Agent, ...).
 CLAUDE_DISALLOWED = "Bash Edit Write NotebookEdit WebFetch WebSearch KillShell BashOutput"
 TASK = "fix the bug in calc.py"
+# Every call takes longer than this, so each CLI reads its stream's keep-alive events (Anthropic's ping, SSE
+# comments for Responses) before the answer, as it does on a long generation.
+KEEPALIVE = {"stream_keepalive_s": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -171,11 +175,15 @@ def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str) -> 
     the completed calls are one training row of at most 1.05x the final trajectory. Returns the completed calls."""
     proxy.flush(120)
     text = metrics(proxy)
-    assert "harnessrl_proxy_refused_total{" not in text
     calls = store.read_calls(rollout, 0)
+    seen = [line for line in text.splitlines() if line.startswith(("harnessrl_proxy_requests_total",
+                                                                  "harnessrl_proxy_refused_total"))]
+    seen.append(str([(c.status.value, c.http_status, c.response if c.status is not CallStatus.OK else None)
+                     for c in calls])[:3000])
+    assert "harnessrl_proxy_refused_total{" not in text, seen
     answered = sum(metric_value(text, "harnessrl_proxy_requests_total", route=route, status=status) or 0
                    for status in ("200", "499"))
-    assert len(calls) == answered > 0
+    assert len(calls) == answered > 0, seen
     done = [c for c in calls if c.status is CallStatus.OK]
     assert [c.route for c in done] == [route] * len(done)
     assert all(len(c.logprobs) == len(c.completion_token_ids) > 0 for c in done)
@@ -229,7 +237,7 @@ def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_
     client_metadata, reasoning, encrypted reasoning, namespace and web_search tools decided, the drops counted),
     and the resumed call continues the first one's tokens."""
     stop, _ = steering(tokenizer)
-    with proxy_in_front(cli_server, tmp_path, "codex", stop) as (store, proxy):
+    with proxy_in_front(cli_server, tmp_path, "codex", stop, **KEEPALIVE) as (store, proxy):
         box, env = codex_sandbox(clis, sandboxes, proxy, "codex-conversation")
         first = box.run("codex", ["exec", "--skip-git-repo-check", TASK], env)
         assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
@@ -247,7 +255,7 @@ def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_se
     """Tool calls forced on every turn: Codex runs its tools (they fail on the random arguments) and goes on for
     ever, so it is stopped after a few calls. Each stored completion spells the function call Codex recorded."""
     _, forced = steering(tokenizer)
-    with proxy_in_front(cli_server, tmp_path, "codex", forced) as (store, proxy):
+    with proxy_in_front(cli_server, tmp_path, "codex", forced, **KEEPALIVE) as (store, proxy):
         box, env = codex_sandbox(clis, sandboxes, proxy, "codex-tools")
         process = box.start("codex", ["exec", "--skip-git-repo-check", TASK], env)
         try:
@@ -281,7 +289,7 @@ def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server
     every completion spelling the tool_use Claude Code recorded, its input as generated (the random arguments are
     no object: ``{"_raw": ...}``), and usage.input_tokens the prompt's length."""
     _, forced = steering(tokenizer)
-    with proxy_in_front(cli_server, tmp_path, "claude", forced) as (store, proxy):
+    with proxy_in_front(cli_server, tmp_path, "claude", forced, **KEEPALIVE) as (store, proxy):
         box = Sandbox.create(clis["claude"])
         sandboxes.append(box)
         env = claude_env(f"{proxy.url}/rollouts/claude-tools/attempts/0")

@@ -125,9 +125,10 @@ def reasoning_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @contextmanager
-def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[str, Any]
+def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[str, Any], **config: Any
                    ) -> Iterator[tuple[TraceStore, Any]]:
-    """A SQLite store and a real capture proxy (train mode, ``sampling`` forced) in front of ``server``."""
+    """A SQLite store and a real capture proxy (train mode, ``sampling`` forced, ``config`` overrides) in front
+    of ``server``."""
     from proxy_servers import LoopThread, RunningProxy, proxy_config
 
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
@@ -135,7 +136,8 @@ def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[
     store.upgrade()
     loops = LoopThread()
     proxy = RunningProxy(loops, proxy_config([server.base_url], store_url, tmp_path / "spool", rollout_id=None,
-                                             run=run, model_name=server.model, sampling=sampling), store)
+                                             run=run, model_name=server.model, sampling=sampling, **config),
+                           store)
     try:
         yield store, proxy
     finally:
