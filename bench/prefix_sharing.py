@@ -13,7 +13,7 @@ The first step warms up (optimizer state, allocator), later ones are timed; medi
 are the process's CPU seconds with one torch thread (``--threads``): on a machine shared with other work, wall
 time measures the neighbours; with one thread CPU time is the step's work (wall time is printed beside it).
 
-    python bench/prefix_sharing.py                       # lengths 512 and 2048, 2 groups a step
+    python bench/prefix_sharing.py                       # lengths 512 and 1024, 2 groups a step
     python bench/prefix_sharing.py --lengths 1024,4096 --repeat 3
 
 Last line: ``speedup_at_80=... speedup_at_0=... peak_memory_ratio_at_80=...`` (unshared seconds / shared
@@ -108,7 +108,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="512,2048")
+    parser.add_argument("--lengths", default="512,1024")
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
