@@ -37,6 +37,7 @@ from harnessrl.proxy.spec_env import spec_environment
 from harnessrl.scheduler import Launch
 from harnessrl.spec.evaluation import evaluation_sampling
 from harnessrl.spec.models import TrainingRun
+from harnessrl.store.engine import POOL_SIZE_ENV
 from harnessrl.task_contract import task_fits_in_env
 
 HARNESS_CONTAINER = "harness"
@@ -95,6 +96,7 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_REPLICA_VERSIONS", "true"),
         env("HARNESSRL_ADMIN", "false"),
         store_url_env(run, config),
+        env(POOL_SIZE_ENV, "1"),  # one writer thread: one connection per pod, so hundreds of pods fit the database
         env("HARNESSRL_RUN", run.metadata.name),
         env("HARNESSRL_ROLLOUT_ID", launch.rollout_id),
         env("HARNESSRL_ATTEMPT", str(launch.attempt)),

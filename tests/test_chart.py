@@ -538,3 +538,11 @@ def test_the_ui_role_script_reads_every_table_and_writes_none(pg_url: str) -> No
             conn.execute(text(f"DROP ROLE {role}"))
             conn.commit()
         admin.close()
+
+
+def test_the_embedded_postgresql_accepts_hundreds_of_proxies(helm: Path) -> None:
+    """PostgreSQL's default max_connections (100) is below one connection per harness pod at the operator
+    benchmark's concurrency (200): the chart sets 500, and a value changes it."""
+    for values, expected in (((), 500), (("--set", "postgresql.maxConnections=800"), 800)):
+        [container] = one(render(helm, *values), "StatefulSet")["spec"]["template"]["spec"]["containers"]
+        assert container["args"] == ["-c", f"max_connections={expected}"]

@@ -363,6 +363,7 @@ def test_proxy_settings_mirror_the_local_runner() -> None:
     # pinned to one replica of the headless Service, recording that replica's weight label; no admin API
     assert proxy["HARNESSRL_UPSTREAMS"] == "dns://swe-qwen-rollout-pods:8000"
     assert (proxy["HARNESSRL_REPLICA_VERSIONS"], proxy["HARNESSRL_ADMIN"]) == ("true", "false")
+    assert proxy["HARNESSRL_STORE_POOL_SIZE"] == "1"  # one connection per harness pod
     assert proxy["HARNESSRL_POLICY_VERSION"] == "4"
     assert (proxy["HARNESSRL_RUN"], proxy["HARNESSRL_ROLLOUT_ID"], proxy["HARNESSRL_ATTEMPT"]) == (
         "swe-qwen", "swe-qwen-g000002-r003", "1",

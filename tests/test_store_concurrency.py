@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 from sqlalchemy import text
@@ -62,3 +64,21 @@ def test_processes_writing_at_once_store_every_call_once(store: TraceStore, stor
             rollout_id, turns=6, system_tokens=40, observation_tokens=20, completion_tokens=8
         )
         assert store.read_calls(rollout_id, 0) == expected
+
+
+@pytest.mark.postgres
+def test_a_proxy_sidecar_keeps_one_connection(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HARNESSRL_STORE_POOL_SIZE (the operator sets 1 for every proxy sidecar) bounds the connections a
+    process keeps: hundreds of harness pods then hold one each, within the chart's max_connections."""
+    from harnessrl.store.engine import POOL_SIZE_ENV, open_engine
+
+    monkeypatch.setenv(POOL_SIZE_ENV, "1")
+    engine = open_engine(pg_url)
+    try:
+        assert (engine.pool.size(), engine.pool._max_overflow) == (1, 1)
+    finally:
+        engine.dispose()
+    monkeypatch.delenv(POOL_SIZE_ENV)
+    default = open_engine(pg_url)
+    assert default.pool.size() == 5  # SQLAlchemy's own, for the operator and the learner
+    default.dispose()

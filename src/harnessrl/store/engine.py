@@ -15,6 +15,7 @@ whole pool: that one call fails, and the next one gets a fresh connection.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from typing import Any
@@ -28,6 +29,10 @@ from harnessrl.store import codec
 SQLITE_BUSY_TIMEOUT_MS = 60_000
 PING_IDLE_S = 30.0  # a PostgreSQL connection idle longer than this is pinged before reuse
 POOL_RECYCLE_S = 1800  # and every one is replaced after this long (below common idle-connection reapers)
+POOL_SIZE_ENV = "HARNESSRL_STORE_POOL_SIZE"
+"""PostgreSQL connections a process keeps (SQLAlchemy's default: 5, and 10 more under load). A proxy sidecar
+writes from one thread, so the operator sets 1 for them (one more may open for a moment): hundreds of harness
+pods then hold one connection each, which the chart's max_connections is sized for."""
 WRITE_OPTION = "harnessrl_write"  # execution option that marks a connection's transactions as writes
 URL_HELP = "use sqlite:///PATH/TO/FILE.db or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
 
@@ -113,6 +118,8 @@ def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S) -> Engine:
     options: dict[str, Any] = {"json_serializer": codec.dumps, "json_deserializer": codec.loads}
     if parsed.get_backend_name() == "postgresql":
         options["pool_recycle"] = POOL_RECYCLE_S
+        if os.environ.get(POOL_SIZE_ENV):
+            options.update(pool_size=int(os.environ[POOL_SIZE_ENV]), max_overflow=1)
     try:
         engine = create_engine(parsed, **options)
     except (SQLAlchemyError, ImportError) as exc:
