@@ -162,7 +162,7 @@ async def measure(url: str, samples: int, compare_indexes: bool) -> None:
         print(f"  {'random rollout':40s} p50 {p50:7.1f}   p95 {p95:7.1f}")
         print("not goals of the issue, for scale (5 requests each):")
         for name, path in (("runs page", "/"), ("run overview (harnessrl status's summary)", f"/runs/{RUN}"),
-                           ("failures (latest 500 grouped)", f"/runs/{RUN}/failures")):
+                           ("failures (latest 200 grouped)", f"/runs/{RUN}/failures")):
             p50, p95 = await timed([path] * 5)
             print(f"  {name:40s} p50 {p50:7.1f}   p95 {p95:7.1f}")
     engine.dispose()

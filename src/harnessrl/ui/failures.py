@@ -3,9 +3,9 @@ analysis (STRACE) — read one representative per kind of failure instead of a t
 
 A signature is four things a person would compare by eye: how the attempt ended (its state and reason), the
 error text of its last call when that call failed, the last tool error the harness fed back, and the shape of
-the final answer (finish reason; text, tool calls or nothing). Numbers, hex ids and quoted values are masked so
-that "exit code 3" and "exit code 7" stay apart only by what matters. Only the latest ``SCAN_LIMIT`` such
-attempts are read (their last call is rebuilt from the store), and the page says so.
+the final answer (finish reason; text, tool calls or nothing). Numbers, hex ids and quoted values are masked, so
+"exit code 3" and "exit code 7" fall into one group ("exit code N") and no id makes a failure unique. Only the
+latest ``SCAN_LIMIT`` such attempts are read (their last call is rebuilt from the store), and the page says so.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from sqlalchemy import Engine, func, or_, select
 from harnessrl.store import TraceStore
 from harnessrl.store.schema import LlmCall, RolloutAttempt
 
-SCAN_LIMIT = 500
+SCAN_LIMIT = 200  # each costs its last call rebuilt along its chain: ~3 ms a 10-call attempt here
 ERROR_WORDS = re.compile(r"error|exception|traceback|failed|not found|denied|invalid", re.IGNORECASE)
 _MASKS = [(re.compile(r"0x[0-9a-f]+|\b[0-9a-f]{8,}\b", re.IGNORECASE), "X"), (re.compile(r"\d+(\.\d+)?"), "N"),
           (re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"), (re.compile(r"\s+"), " ")]
