@@ -154,7 +154,9 @@ def test_the_command_names_what_is_wrong_with_its_arguments(tmp_path) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["ui"], env={"HARNESSRL_STORE_URL": ""})
     assert result.exit_code == 2 and "give a run directory (RUN_DIR) or --store URL" in result.output
-    result = runner.invoke(main, ["ui", str(tmp_path)])
-    assert result.exit_code == 1 and "is not a run directory (no run.json)" in result.output
+    result = runner.invoke(main, ["ui", str(tmp_path)], env={"HARNESSRL_STORE_URL": "sqlite:///elsewhere.db"})
+    assert result.exit_code == 1 and "is not a run directory (no run.json)" in result.output  # RUN_DIR wins
+    result = runner.invoke(main, ["ui", str(tmp_path), "--store", "sqlite:///x.db"])
+    assert result.exit_code == 2 and "not both" in result.output
     result = runner.invoke(main, ["ui", "--store", "mysql://h/db"])
     assert result.exit_code == 1 and "which the store does not support" in result.output

@@ -26,6 +26,9 @@ def ui_command(run_dir: Path | None, store_url: str | None, host: str, port: int
     from harnessrl.ui.app import make_app
     from harnessrl.ui.store_access import open_read_only
 
+    source = click.get_current_context().get_parameter_source("store_url")
+    if run_dir is not None and source is click.core.ParameterSource.ENVIRONMENT:
+        store_url = None  # a RUN_DIR on the command line wins over $HARNESSRL_STORE_URL
     if (run_dir is None) == (store_url is None):
         raise click.UsageError("give a run directory (RUN_DIR) or --store URL, not both and not neither")
     if run_dir is not None:
