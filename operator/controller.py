@@ -237,6 +237,7 @@ class RunController:
         self.run: TrainingRun | None = None
         self.store: TraceStore | None = None
         self.store_url: str | None = None
+        self.evaluation_read: Any = None  # the spec.evaluation whose tasks the scheduler holds
         self.scheduler: RolloutScheduler | None = None
         self.applied_generation: int | None = None
         self.claim_checked: tuple[int, tuple[bool, str, str] | None] | None = None  # (generation, finding)
@@ -295,14 +296,20 @@ class RunController:
                     terminal=False,
                 ) from None
             self.store, self.store_url = store, url
+            self.evaluation_read = self.run.spec.evaluation
             self.scheduler = RolloutScheduler(
                 store, SchedulerSettings.from_spec(self.name, self.run.spec), self.backend, self._tasks(),
                 evaluation_tasks=self._evaluation_tasks(),
             )
         else:
             # harness.concurrency, timeoutSeconds and maxAttempts may change while the run exists
-            # (harnessrl.spec.changes); the next launches and settlements follow them.
+            # (harnessrl.spec.changes); the next launches and settlements follow them. So may spec.evaluation
+            # be added (or its everySteps change): its tasks are read again when it changes, no restart needed.
             self.scheduler.settings = SchedulerSettings.from_spec(self.name, self.run.spec)
+            evaluation = self.run.spec.evaluation
+            if evaluation is not None and evaluation != self.evaluation_read:
+                self.scheduler.set_evaluation_tasks(self._evaluation_tasks())
+                self.evaluation_read = evaluation
         observed.store_ready, observed.store_message = True, "the trace store answers"
 
     def _store_url(self) -> str:

@@ -163,3 +163,18 @@ def test_a_round_cancelled_by_a_stop_runs_again_when_the_run_goes_on(
           and r.failed == 1)
     [result] = evaluation_results(store, "sched")
     assert (result.rollouts, result.ended, result.succeeded, result.failed) == (3, 3, 2, 1)  # e-crash crashes
+
+
+def test_evaluation_added_to_a_running_scheduler_is_scheduled_without_a_restart(
+    store: TraceStore, store_url: str, harness: Path, tmp_path: Path  # noqa: F811
+) -> None:
+    """spec.evaluation may be added to a running operator run: the operator hands the scheduler it already
+    has the new tasks (set_evaluation_tasks) and settings, and the baseline round starts at the next pass."""
+    scheduler, _ = make(store, store_url, harness, tmp_path, TRAIN_TASKS)
+    scheduler.reconcile(0)
+    assert evaluation_rows(store) == []
+    scheduler.settings = dataclasses.replace(scheduler.settings, evaluation=EvaluationSchedule(2, True, 1))
+    scheduler.set_evaluation_tasks(EVAL_TASKS)
+    drive(scheduler, 0, lambda: len(evaluation_rows(store)) == len(EVAL_TASKS))
+    assert sorted(task for _, task, _ in evaluation_rows(store)) == sorted(f"eval:{t['id']}" for t in EVAL_TASKS)
+    assert {version for _, _, version in evaluation_rows(store)} == {0}

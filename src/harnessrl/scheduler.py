@@ -178,13 +178,19 @@ class RolloutScheduler:
         self.clock = clock
         self.task_ids = store.add_tasks(settings.run, list(tasks))
         self._tasks = {tid: dict(task) for tid, task in zip(self.task_ids, tasks, strict=True)}
-        # Evaluation tasks are stored under prefixed ids; the harness gets each task exactly as written.
+        self.evaluation_task_ids: list[str] = []
+        self.set_evaluation_tasks(evaluation_tasks)
+        self._launched_at: dict[tuple[str, int], float] = {}  # expectations: launched, maybe not yet visible
+
+    def set_evaluation_tasks(self, evaluation_tasks: Sequence[dict[str, Any]]) -> None:
+        """The evaluation's tasks, also for a running scheduler (spec.evaluation added to or changed on a
+        running operator run): the next due round uses them. Stored under prefixed ids (idempotent); the
+        harness gets each task exactly as written."""
         stored = [{**task, "id": f"{EVALUATION_TASK_PREFIX}{task.get('id', index)}"}
                   for index, task in enumerate(evaluation_tasks)]
-        self.evaluation_task_ids = store.add_tasks(settings.run, stored) if stored else []
+        self.evaluation_task_ids = self.store.add_tasks(self.settings.run, stored) if stored else []
         self._tasks.update({tid: dict(task) for tid, task in zip(self.evaluation_task_ids, evaluation_tasks,
                                                                   strict=True)})
-        self._launched_at: dict[tuple[str, int], float] = {}  # expectations: launched, maybe not yet visible
 
     # --- the loop body --------------------------------------------------------------------------------------
 
