@@ -58,7 +58,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     _state["apis"] = Apis(client.ApiClient())
     _state["config"] = OperatorConfig.from_env()
-    settings.persistence.finalizer = "harnessrl.io/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
 
@@ -109,9 +109,36 @@ def _pod_changed(namespace: str, run: str, summary: PodSummary, deleted: bool) -
 @kopf.on.cleanup()
 def stop_informers(**_: Any) -> None:
     with _lock:
+        namespaces = list(_informers)
         for informer in _informers.values():
             informer.stop()
         _informers.clear()
+    _release_finalizers(namespaces)
+
+
+FINALIZER = "harnessrl.io/finalizer"
+
+
+def _release_finalizers(namespaces: list[str]) -> None:
+    """Take the operator's finalizer off every TrainingRun it watched, as it stops: kopf puts one on each run
+    (its daemons must stop before a run goes), and with no operator left (``helm uninstall``) a run holding it
+    could never be deleted. A restarted operator puts it back before its daemons start; a run deleted in
+    between goes at once, its pods with it through their owner references. The chart runs one replica with the
+    Recreate strategy, so no other operator is running when this one takes the finalizers off."""
+    apis = _state.get("apis")
+    if apis is None:
+        return
+    for namespace in namespaces:
+        try:
+            runs = apis.custom.list_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL)["items"]
+            for run in runs:
+                meta = run["metadata"]
+                if FINALIZER in (meta.get("finalizers") or []):
+                    kept = [f for f in meta["finalizers"] if f != FINALIZER]
+                    patch = {"metadata": {"finalizers": kept, "resourceVersion": meta["resourceVersion"]}}
+                    apis.custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, meta["name"], patch)
+        except Exception:  # noqa: BLE001 - stopping goes on; the next start or a person can remove it
+            log.exception("could not take the finalizer off the TrainingRuns of %s", namespace)
 
 
 def _first(index: kopf.Index, key: tuple[str, str]) -> Any:
