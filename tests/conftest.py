@@ -118,17 +118,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="session")
 def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A running control plane with the committed TrainingRun CRD applied and established."""
-    try:
-        cluster = start_cluster(tmp_path_factory.mktemp("kube"), log=lambda line: None)
-    except (BuildError, ClusterError) as exc:
-        if os.environ.get(KUBE_REQUIRED_ENV, "1") != "0":
-            pytest.fail(f"no Kubernetes control plane: {exc}", pytrace=False)
-        pytest.skip(f"no Kubernetes control plane: {exc} ({KUBE_REQUIRED_ENV}=0)")
-    try:
-        cluster.apply_crd(ROOT / CRD_PATH)
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _cluster_with_crd("no Kubernetes control plane", tmp_path_factory.mktemp("kube"))
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +126,20 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """A control plane with a real node (kubelet, containerd, CoreDNS, volumes, NetworkPolicies) and no kwok
     nodes, per test module: one real node fits a machine, so modules take turns. Fails when it cannot start
     (root and a few kernel features are needed), unless HARNESSRL_TEST_KUBE_REQUIRED=0."""
+    yield from _cluster_with_crd("no real node", tmp_path_factory.mktemp("real"), nodes=0, real_node=True)
+
+
+def _cluster_with_crd(missing: str, directory: Path, **options) -> Iterator[Cluster]:
+    """Start a cluster with the CRD applied, stopped afterwards; one that cannot start fails the test, or skips
+    it with HARNESSRL_TEST_KUBE_REQUIRED=0."""
     from harnessrl.devcluster.node import NodeError
 
     try:
-        cluster = start_cluster(tmp_path_factory.mktemp("real"), nodes=0, real_node=True, log=lambda line: None)
+        cluster = start_cluster(directory, log=lambda line: None, **options)
     except (BuildError, ClusterError, NodeError) as exc:
         if os.environ.get(KUBE_REQUIRED_ENV, "1") != "0":
-            pytest.fail(f"no real node: {exc}", pytrace=False)
-        pytest.skip(f"no real node: {exc} ({KUBE_REQUIRED_ENV}=0)")
+            pytest.fail(f"{missing}: {exc}", pytrace=False)
+        pytest.skip(f"{missing}: {exc} ({KUBE_REQUIRED_ENV}=0)")
     try:
         cluster.apply_crd(ROOT / CRD_PATH)
         yield cluster
