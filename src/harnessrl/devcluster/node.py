@@ -131,7 +131,6 @@ def start_node(cluster, log: Callable[[str], None]) -> NodeLayout:
     _clean_stale(node, log)
     for folder in (node.state, node.run, node.cni_conf_dir, node.kubelet_root, node.volumes, node.logs, node.cache):
         folder.mkdir(parents=True, exist_ok=True)
-    pki = cluster.pki
     files = _write_configs(cluster, node, binaries)
 
     _start(
@@ -263,13 +262,6 @@ def _import_node_images(node: NodeLayout, binaries: Binaries, log: Callable[[str
         if result.returncode != 0:
             raise NodeError(f"node: importing {image.ref} failed: {result.stderr.strip()}")
         log(f"node: imported {image.ref}")
-
-
-def import_archive(node: NodeLayout, archive: Path) -> None:
-    """Import an image archive (OCI or docker) into the node's containerd, where kubelet finds it."""
-    result = _ctr(node, "images", "import", str(archive), timeout=1800)
-    if result.returncode != 0:
-        raise NodeError(f"node: importing {archive} failed: {result.stderr.strip()}")
 
 
 def _ctr(node: NodeLayout, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
