@@ -115,7 +115,7 @@ def test_every_call_is_served_by_an_adapter_version(lora_run) -> None:
 
 def test_the_resumed_server_serves_the_trained_adapter(lora_run) -> None:
     """Calls the resumed run stored under a trained version were answered by base + that version's adapter
-    (peft's log-probs within 1e-2), which here differ clearly from the base model's: vLLM served the adapter
+    (peft's log-probs within 1e-2 on average), which here differ clearly from the base model's: vLLM served the adapter
     (loaded by the runner on resume, or by the learner's sync), not the base model."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -131,7 +131,10 @@ def test_the_resumed_server_serves_the_trained_adapter(lora_run) -> None:
     tuned = PeftModel.from_pretrained(base, adapter).eval()
     tuned_lp = [_logprobs(tuned, c.prompt_token_ids, c.completion_token_ids) for c in calls]
     stored = [lp for c in calls for lp in c.logprobs]
-    to_adapter = max(abs(a - b) for a, b in zip(stored, [x for lp in tuned_lp for x in lp], strict=True))
-    to_base = sum(abs(a - b) for a, b in zip(stored, [x for lp in base_lp for x in lp], strict=True)) / len(stored)
-    assert to_adapter < 1e-2, to_adapter
-    assert to_base > 0.05, to_base
+    adapter_gaps = [abs(a - b) for a, b in zip(stored, [x for lp in tuned_lp for x in lp], strict=True)]
+    base_gaps = [abs(a - b) for a, b in zip(stored, [x for lp in base_lp for x in lp], strict=True)]
+    to_adapter, to_base = sum(adapter_gaps) / len(stored), sum(base_gaps) / len(stored)
+    # vLLM's CPU LoRA kernels and peft sum in different orders: a single token's gap reached 1.04e-2 in CI
+    # while the mean stays far below it, so the mean is compared with a margin and the worst token loosely.
+    assert to_adapter < 1e-2 and max(adapter_gaps) < 5e-2, (to_adapter, max(adapter_gaps))
+    assert to_base > 0.05 and to_base > 5 * to_adapter, (to_base, to_adapter)

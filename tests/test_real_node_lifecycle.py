@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.devcluster.node import leftovers
+from harnessrl.devcluster.node import LIB, leftovers
 
 pytestmark = pytest.mark.real_node
 
@@ -44,7 +44,9 @@ def kubectl(directory: Path, *args: str, input: str | None = None) -> subprocess
 
 def test_up_status_down_leaves_nothing_behind(tmp_path: Path) -> None:
     assert leftovers() == [], "an earlier node left something; this test would not see its own"
-    directory = tmp_path / "cluster"
+    # A cluster folder as deep as CI's: kubelet's Unix sockets (at most 107 bytes) must not live under it.
+    directory = tmp_path / "a-cluster-folder-as-deep-as-a-ci-checkouts-tmp-folder" / "cluster"
+    assert len(str(directory / "node/kubelet/pod-resources/1826614704")) > 107
     up = kube_sh(directory, "up", "--real-node")
     try:
         assert up.returncode == 0, up.stderr
@@ -90,7 +92,7 @@ spec: {podSelector: {matchLabels: {app: busy}}, policyTypes: [Ingress]}
         down = kube_sh(directory, "down")
     assert down.returncode == 0, down.stderr
     assert leftovers() == []
-    assert not directory.exists()
+    assert not directory.exists() and not LIB.exists()
 
 
 def test_a_component_that_dies_at_start_is_named_with_its_log(tmp_path: Path) -> None:

@@ -72,6 +72,10 @@ PACKAGES = {
 _LEFTOVER_CHAIN = re.compile(r"^(KUBE-|CNI-)")
 
 
+# One real node per machine, like its sockets under /run/harnessrl-node; removed by `down`.
+LIB = Path("/var/lib/harnessrl-node")
+
+
 class NodeError(RuntimeError):
     """The node cannot start; the message is one line naming what is missing or which component failed."""
 
@@ -82,6 +86,7 @@ def layout(cluster_dir: Path, ip: str, cache: Path) -> NodeLayout:
         ip=ip,
         state=cluster_dir / "node",
         run=Path("/run/harnessrl-node"),
+        lib=LIB,
         cache=cache / "node",
     )
 
@@ -126,7 +131,8 @@ def start_node(cluster, log: Callable[[str], None]) -> NodeLayout:
     started = time.monotonic()
     binaries = ensure_node_binaries(log)
     node = layout(cluster.dir, cluster.node_ip, cache_root())
-    cluster.node = {"name": node.name, "ip": node.ip, "state": str(node.state), "run": str(node.run), "cache": str(node.cache)}
+    cluster.node = {"name": node.name, "ip": node.ip, "state": str(node.state), "run": str(node.run),
+                    "lib": str(node.lib), "cache": str(node.cache)}
     cluster.save()
     _clean_stale(node, log)
     for folder in (node.state, node.run, node.cni_conf_dir, node.kubelet_root, node.volumes, node.logs, node.cache):
@@ -311,6 +317,7 @@ def stop_node(cluster, log: Callable[[str], None] = print) -> list[str]:
         ip=cluster.node["ip"],
         state=Path(cluster.node["state"]),
         run=Path(cluster.node["run"]),
+        lib=Path(cluster.node.get("lib", LIB)),
         cache=Path(cluster.node["cache"]),
     )
     forced: list[str] = []
@@ -332,6 +339,7 @@ def stop_node(cluster, log: Callable[[str], None] = print) -> list[str]:
     if cluster.running().get("kube-apiserver"):
         cluster.kubectl("delete", "node", node.name, "--ignore-not-found", "--wait=false", check=False)
     shutil.rmtree(node.run, ignore_errors=True)
+    shutil.rmtree(node.lib, ignore_errors=True)
     cluster.node = None
     cluster.save()
     if forced:
@@ -392,7 +400,7 @@ def _kill_shims(node: NodeLayout) -> list[str]:
 def _unmount_under(node: NodeLayout) -> list[str]:
     """Unmount what kubelet, containerd and CNI mounted under the node's folders and ``/run/netns``, deepest
     first (a pod's volumes sit under its own mounts)."""
-    roots = (str(node.state), str(node.run), str(node.cache), "/run/netns/cni-")
+    roots = (str(node.state), str(node.run), str(node.lib), str(node.cache), "/run/netns/cni-")
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
     ours = sorted({m for m in mounts if m.startswith(roots)}, key=len, reverse=True)
     for mount in ours:
@@ -441,11 +449,11 @@ def leftovers(node_state: Path | None = None) -> list[str]:
                 cmdline = (proc / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"/run/harnessrl-node" in cmdline or (node_state and str(node_state).encode() in cmdline):
+            if b"/run/harnessrl-node" in cmdline or str(LIB).encode() in cmdline or (node_state and str(node_state).encode() in cmdline):
                 text = cmdline.replace(b"\0", b" ")[:120].decode(errors="replace")
                 found.append(f"process {proc.name}: {text}")
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
-    found += [f"mount {m}" for m in mounts if m.startswith("/run/harnessrl-node") or m.startswith("/run/netns/cni-")
+    found += [f"mount {m}" for m in mounts if m.startswith(("/run/harnessrl-node", str(LIB), "/run/netns/cni-"))
               or (node_state and m.startswith(str(node_state)))]
     if Path("/run/netns").is_dir():
         found += [f"netns {p.name}" for p in Path("/run/netns").glob("cni-*")]

@@ -39,6 +39,8 @@ class NodeLayout:
     ip: str
     state: Path  # configs, certificates, kubelet root, volumes, logs
     run: Path  # sockets and runtime state (tmpfs)
+    lib: Path  # kubelet's root: on disk (pods' emptyDirs) at a short path, since kubelet binds Unix sockets under
+    # it (pod-resources/<random>) and a socket path has at most 107 bytes; a pytest tmp folder is longer
     cache: Path  # containerd's content and snapshots: images survive `down`, so a warm `up` imports none
 
     @property
@@ -55,7 +57,7 @@ class NodeLayout:
 
     @property
     def kubelet_root(self) -> Path:
-        return self.state / "kubelet"
+        return self.lib / "kubelet"
 
     @property
     def volumes(self) -> Path:
