@@ -63,6 +63,13 @@ def test_a_prompt_that_leaves_the_row_starts_a_new_one_and_counts_why(third_prom
     assert result.rows[1].input_ids.tolist() == third_prompt + [8]
     assert dict(result.stats.splits) == {reason: 1}
     assert result.stats.merged_calls == 1
+    # each row says why it began: the first none, the second this split, where it leaves the first row's content
+    row_content = [1, 2, 3, 4, 5, 6, 7, 8]
+    leaves = next((i for i, (a, b) in enumerate(zip(third_prompt, row_content)) if a != b),
+                  min(len(third_prompt), len(row_content)))
+    assert [(row.split_reason, row.split_at) for row in result.rows] == [(None, None), (reason, leaves)]
+    transitions = merge_calls_into_rows(calls, mode="transition").rows
+    assert [(row.split_reason, row.split_at) for row in transitions] == [(None, None), (None, None), (reason, leaves)]
 
 
 def test_a_split_after_the_first_call_is_template_drift_or_a_new_conversation():

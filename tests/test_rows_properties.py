@@ -195,9 +195,11 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
                     break
         kept.append(choice)
     rows, splits, previous = 0, Counter(), None
+    row_splits: list[tuple[str | None, int | None]] = []  # per row: why it began and where it left the last
     for s in kept:
         if previous is None:
             rows += 1
+            row_splits.append((None, None))
         else:
             content = previous.prompt + previous.completion[: keep_count(previous, max_row)]
             if s.prompt[: len(content)] != content:
@@ -206,15 +208,17 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
                 while common < min(len(s.prompt), len(content)) and s.prompt[common] == content[common]:
                     common += 1
                 if common >= len(previous.prompt):
-                    splits["template_drift"] += 1
+                    reason = "template_drift"
                 elif not any(s.prompt[: len(k.prompt)] == k.prompt for k in kept[: kept.index(s)]):
-                    splits["new_conversation"] += 1
+                    reason = "new_conversation"
                 elif len(s.prompt) < len(content):
-                    splits["truncation"] += 1
+                    reason = "truncation"
                 else:
-                    splits["history_edited"] += 1
+                    reason = "history_edited"
+                splits[reason] += 1
+                row_splits.append((reason, common))
         previous = s
-    return kept, rows, splits, +dropped
+    return kept, rows, splits, +dropped, row_splits
 
 
 limits = st.one_of(st.none(), st.integers(1, 60))
@@ -250,13 +254,14 @@ def check_rows(result, sent: list[Sent], max_row: int | None) -> set[str]:
 @settings(max_examples=400, deadline=None)
 @given(sent=trajectories(), max_prompt=limits, max_row=limits)
 def test_merged_rows_match_the_reference_model(sent, max_prompt, max_row):
-    kept, n_rows, splits, dropped = reference(sent, max_prompt, max_row)
+    kept, n_rows, splits, dropped, row_splits = reference(sent, max_prompt, max_row)
     result = merge_calls_into_rows(delta_encode(sent), max_prompt_tokens=max_prompt, max_row_tokens=max_row)
 
     seen = check_rows(result, sent, max_row)
     assert seen == {s.call_id for s in kept}
     assert len(result.rows) == n_rows == result.stats.rows
     assert result.stats.splits == splits
+    assert [(row.split_reason, row.split_at) for row in result.rows] == row_splits
     assert +result.stats.dropped == dropped
     assert result.stats.kept_calls == len(kept)
     assert result.stats.merged_calls == len(kept) - n_rows
@@ -272,6 +277,7 @@ def assert_same_rows(a, b) -> None:
     assert len(a.rows) == len(b.rows)
     for x, y in zip(a.rows, b.rows):
         assert x.call_ids == y.call_ids and x.completion_spans == y.completion_spans
+        assert (x.split_reason, x.split_at) == (y.split_reason, y.split_at)
         np.testing.assert_array_equal(x.input_ids, y.input_ids)
         np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
         np.testing.assert_array_equal(x.rollout_logprobs, y.rollout_logprobs)
@@ -303,7 +309,7 @@ def test_rows_do_not_depend_on_which_earlier_call_a_delta_names(sent, data, max_
 @settings(max_examples=200, deadline=None)
 @given(sent=trajectories(), max_prompt=limits, max_row=limits)
 def test_transition_mode_gives_one_row_per_kept_call(sent, max_prompt, max_row):
-    kept, _, _, dropped = reference(sent, max_prompt, max_row)
+    kept, _, _, dropped, _ = reference(sent, max_prompt, max_row)
     result = merge_calls_into_rows(delta_encode(sent), mode="transition", max_prompt_tokens=max_prompt,
                                    max_row_tokens=max_row)
     check_rows(result, sent, max_row)

@@ -114,6 +114,11 @@ class Row:
     call_ids: tuple[str, ...]
     completion_spans: tuple[tuple[int, int], ...]
     policy_versions: tuple[int, ...]  # one per call, the weights that produced its completion
+    # Why this row could not continue an earlier one (a ``SplitReason`` value, counted in ``RowStats.splits``)
+    # and the first position where its prompt leaves the row it split from (the tokens before it are that row's
+    # too); None for the attempt's first row. In transition mode only the first call of a merged row carries it.
+    split_reason: str | None = None
+    split_at: int | None = None
 
     @property
     def min_policy_version(self) -> int:
@@ -286,7 +291,7 @@ class _Buffer:
     logged so placements that pointed past it know they are stale.
     """
 
-    __slots__ = ("alternatives", "data", "index", "kept", "kept_end", "length", "truncations")
+    __slots__ = ("alternatives", "data", "index", "kept", "kept_end", "length", "split", "truncations")
 
     def __init__(self, tokens: TokenIds, index: int) -> None:
         self.index = index  # position among the builder's rows (key of remembered prefix comparisons)
@@ -298,6 +303,7 @@ class _Buffer:
         self.kept_end = 0
         self.truncations: list[int] = []
         self.alternatives: list[_Placed] = []  # duplicates of the last kept call, swapped out
+        self.split: tuple[str, int] | None = None  # (reason, position) when the row began at a split
 
     def append(self, tokens: TokenIds) -> None:
         k = len(tokens)
@@ -456,6 +462,7 @@ class _RowBuilder:
                 split = SplitReason.NEW_CONVERSATION
             self.stats.splits[split.value] += 1
             buffer = self._new_row(prompt)
+            buffer.split = (split.value, diverge_at)
             self.cur = buffer
             self._append_kept(buffer, call, length)
             return
@@ -613,11 +620,12 @@ class _RowBuilder:
             input_ids = buffer.data[: buffer.kept_end].copy()
             input_ids.setflags(write=False)
             if mode == "merge":
-                rows.append(_make_row(rollout_id, attempt, input_ids, buffer.kept))
+                rows.append(_make_row(rollout_id, attempt, input_ids, buffer.kept, buffer.split))
             else:
                 for placed in buffer.kept:
                     view = input_ids[: placed.prompt_end + placed.keep]
-                    transitions.append((placed.call.seq, _make_row(rollout_id, attempt, view, [placed])))
+                    split = buffer.split if placed is buffer.kept[0] else None
+                    transitions.append((placed.call.seq, _make_row(rollout_id, attempt, view, [placed], split)))
             stats.kept_calls += len(buffer.kept)
         if mode == "transition":
             transitions.sort(key=lambda item: item[0])
@@ -658,7 +666,8 @@ def _alternative_extended_by(buffer: _Buffer, prompt_end: int, e: int, suffix: T
     return None
 
 
-def _make_row(rollout_id: str, attempt: int, input_ids: np.ndarray, kept: list[_Placed]) -> Row:
+def _make_row(rollout_id: str, attempt: int, input_ids: np.ndarray, kept: list[_Placed],
+              split: tuple[str, int] | None) -> Row:
     n = input_ids.shape[0]
     loss_mask = np.zeros(n, dtype=np.int8)
     logprobs = np.zeros(n, dtype=np.float32)
@@ -681,6 +690,8 @@ def _make_row(rollout_id: str, attempt: int, input_ids: np.ndarray, kept: list[_
         call_ids=tuple(p.call.call_id for p in kept),
         completion_spans=tuple(spans),
         policy_versions=tuple(p.call.policy_version for p in kept),
+        split_reason=split[0] if split else None,
+        split_at=split[1] if split else None,
     )
 
 
