@@ -9,6 +9,7 @@ changed. The node itself runs them through the chart and the operator in test_re
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -142,6 +143,11 @@ def test_the_python_images_run_their_commands(built: dict[str, Built], container
     assert operator.strip() == "0.1.0"
     assert "Usage" in _run_rootfs(containerd, built["proxy"].image.ref, ["harnessrl", "proxy", "--help"])
     assert "Usage" in _run_rootfs(containerd, built["learner-cpu"].image.ref, ["harnessrl", "learn", "--help"])
+    # vLLM's sampler gathers log-probs through torch.compile even in eager mode: inductor must build C++ here.
+    compiled = _run_rootfs(containerd, built["vllm-cpu"].image.ref, [
+        "python", "-c", "import torch; f = torch.compile(lambda x: x.log_softmax(-1).gather(-1, x.argmax(-1, True)));"
+        " print(round(float(f(torch.eye(4)).sum()), 3))"])
+    assert compiled.strip().splitlines()[-1] == str(round(4 * (1 - math.log(math.e + 3)), 3))  # each row of eye(4)
     harness = _run_rootfs(containerd, built["harness-vowels"].image.ref, [
         "python", "-c", "import ast, openai, httpx; ast.parse(open('/app/harness.py').read()); print('ok')"])
     assert harness.strip() == "ok"

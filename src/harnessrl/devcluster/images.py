@@ -260,6 +260,9 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
             for stale in images_dir().glob(f"{image.name}-{'[0-9a-f]' * 16}.tar"):
                 if stale != archive:
                     stale.unlink()
+            # The image this one replaced stays in podman's store untagged (GiBs for the learner and vLLM;
+            # disk, not CPU, is what runs out first on a CI machine); the build cache's layers stay.
+            _run([podman, "image", "prune", "--force"])
             seconds = time.monotonic() - started
             log(f"images: {image.name} built in {seconds:.0f} s ({archive.stat().st_size / 2**20:.0f} MiB)")
         built.append(Built(image, archive, seconds, archive.stat().st_size))
