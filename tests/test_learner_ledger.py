@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from sqlalchemy import func, select
 
 from harnessrl.store import CallRecord, RolloutState, TraceStore
-from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger
-from harnessrl.store.schema import LearnerStep, PolicyVersion
+from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepRows
+from harnessrl.store.schema import LearnerLogprobs, LearnerStep, PolicyVersion, RolloutAttempt
 
 RUN = "run-a"
 
@@ -129,6 +130,37 @@ def test_an_empty_step_consumes_its_rollouts_without_a_policy_version(store: Tra
     assert ledger.committed_step() == 2
     assert ledger.commit(3, "/ckpt/v000002", None, ledger.claim(1, 2).keys) == 2  # the next version, no gap
     assert ledger.committed_step() == 3 and [v.version for v in ledger.versions()] == [0, 1, 2]
+
+
+def test_a_step_records_each_attempts_row_count_and_the_learners_log_probs_with_its_commit(
+        store: TraceStore, ledger: LearnerLedger):
+    for task in ("t1", "t2"):
+        make_group(store, task, 2)
+    first = ledger.claim(1, 2)
+    (a, b) = first.keys
+    values = np.array([-0.25, -1.5, -3.125], dtype=np.float32)
+    rows = StepRows(counts={a: 2, b: 1}, logprobs={(*a, 1): values})
+
+    def recorded() -> tuple[dict, dict]:
+        with store.engine.connect() as conn:
+            counts = dict(conn.execute(select(RolloutAttempt.rollout_id, RolloutAttempt.train_rows)).all())
+            stored = {(r.rollout_id, r.attempt, r.row_index, r.step): np.frombuffer(r.logprobs, "<f4").tolist()
+                      for r in conn.execute(select(LearnerLogprobs))}
+        return counts, stored
+
+    with pytest.raises(ValueError, match="not among the step's consumed attempts"):  # nothing written
+        ledger.commit(1, "/ckpt/v000001", None, [a], rows=rows)
+    assert ledger.committed_step() == 0 and set(recorded()[0].values()) == {None} and recorded()[1] == {}
+    ledger.commit(1, "/ckpt/v000001", None, first.keys, rows=rows)
+    counts, stored = recorded()
+    assert counts[a[0]] == 2 and counts[b[0]] == 1
+    assert stored == {(a[0], 0, 1, 1): [-0.25, -1.5, -3.125]}
+    second = ledger.claim(1, 2)
+    with pytest.raises(CommitRefused):  # a refused commit writes no rows either
+        ledger.commit(2, "/ckpt/v000002", None, second.keys + [a], rows=StepRows(counts={a: 5}))
+    assert recorded() == (counts, stored)
+    ledger.consume(2, None, second.keys, rows=StepRows(counts=dict.fromkeys(second.keys, 3)))
+    assert [recorded()[0][k[0]] for k in second.keys] == [3, 3]
 
 
 def test_base_version_is_recorded_once(store: TraceStore):

@@ -8,6 +8,11 @@ nothing counts (the checkpoint on disk is a leftover and the attempts are still 
 redone); after it everything counts and is never redone. Version 0 is the base model (or a LoRA run's fresh
 adapter).
 
+With the step, the learner records what it made of each consumed attempt (:class:`StepRows`): how many
+training rows it built (``rollout_attempts.train_rows``) and, per trained row, its own log-probs of the trained
+tokens (``learner_logprobs``), so the trace explorer can filter by rows per rollout and show the learner's
+log-prob beside the serving engine's, token by token.
+
 A step that trains nothing (every group had equal rewards, or no row had a generated token) makes no policy
 version: :meth:`LearnerLedger.consume` writes (b) and (c) alone, and the step record keeps the version the
 policy stays at. So steps and versions are numbered apart: ``learner_steps.policy_version`` is the version
@@ -22,17 +27,18 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, exists, func, insert, select, tuple_, update
+import numpy as np
+from sqlalchemy import Connection, Engine, bindparam, exists, func, insert, select, tuple_, update
 from sqlalchemy.orm import aliased
 from sqlalchemy.exc import IntegrityError
 
 from harnessrl.store import run_counters
 from harnessrl.store.engine import WRITE_OPTION
 from harnessrl.store.records import RolloutState, utcnow
-from harnessrl.store.schema import TRAIN, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
+from harnessrl.store.schema import TRAIN, LearnerLogprobs, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
 from harnessrl.store.trace_store import TraceStore
 
 TERMINAL_STATES = tuple(s.value for s in RolloutState if s.terminal)
@@ -70,6 +76,33 @@ class StepClaim:
     @property
     def keys(self) -> list[tuple[str, int]]:
         return [a.key for a in self.attempts]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What a step made of its attempts: ``counts[(rollout, attempt)]`` rows built (trained or not), and
+    ``logprobs[(rollout, attempt, row index)]`` the learner's log-probs of that row's trained tokens."""
+
+    counts: dict[tuple[str, int], int] = field(default_factory=dict)
+    logprobs: dict[tuple[str, int, int], np.ndarray] = field(default_factory=dict)
+
+    def write(self, conn: Connection, run: str, step: int, consumed: set[tuple[str, int]]) -> None:
+        """Inside the step's transaction, after the consumed marks (``consumed``: the step's attempts)."""
+        stray = ({key for key in self.counts} | {key[:2] for key in self.logprobs}) - consumed
+        if stray:
+            raise ValueError(f"rows: {len(stray)} attempts (e.g. {sorted(stray)[0]}) are not among the step's "
+                             "consumed attempts; pass rows only for the attempts the step consumes")
+        if self.counts:
+            conn.execute(update(RolloutAttempt)
+                         .where(RolloutAttempt.rollout_id == bindparam("k_rollout"),
+                                RolloutAttempt.attempt == bindparam("k_attempt"))
+                         .values(train_rows=bindparam("k_rows")),
+                         [{"k_rollout": r, "k_attempt": a, "k_rows": n} for (r, a), n in self.counts.items()])
+        if self.logprobs:
+            conn.execute(insert(LearnerLogprobs), [
+                {"rollout_id": r, "attempt": a, "row_index": i, "run": run, "step": step,
+                 "logprobs": np.asarray(values, dtype="<f4").tobytes()}
+                for (r, a, i), values in self.logprobs.items()])
 
 
 @dataclass(frozen=True)
@@ -194,14 +227,15 @@ class LearnerLedger:
     # -- committing --------------------------------------------------------------------------------------------
 
     def commit(self, step: int, checkpoint_path: str, metrics: dict[str, Any] | None,
-               consumed: list[tuple[str, int]], version: int | None = None) -> int:
-        """Insert policy ``version`` + the step record and mark ``consumed``, in one transaction; returns the
-        version. ``version`` None: the next one after the newest (the learner passes the one it saved).
+               consumed: list[tuple[str, int]], version: int | None = None, rows: StepRows | None = None) -> int:
+        """Insert policy ``version`` + the step record and mark ``consumed`` (with ``rows``, what the step made
+        of them), in one transaction; returns the version. ``version`` None: the next one after the newest (the
+        learner passes the one it saved).
 
         Raises :class:`CommitRefused` (and writes nothing) when the version or step ``step`` exists already,
         or an attempt does not exist in this run or was consumed by another step.
         """
-        with self._recording(step, consumed) as conn:
+        with self._recording(step, consumed, rows) as conn:
             if version is None:
                 newest = conn.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.run == self.run))
                 version = int(newest or 0) + 1
@@ -215,14 +249,15 @@ class LearnerLedger:
             ))
         return version
 
-    def consume(self, step: int, metrics: dict[str, Any] | None, consumed: list[tuple[str, int]]) -> int:
+    def consume(self, step: int, metrics: dict[str, Any] | None, consumed: list[tuple[str, int]],
+                rows: StepRows | None = None) -> int:
         """Record a step that trained nothing: its record (at the version the policy stays at, which is
         returned) and its attempts marked consumed, in one transaction, with no new policy version.
 
         The rollouts are consumed all the same, so the scheduler's bound on outstanding groups moves on and no
         later step claims them. Refusals as :meth:`commit`.
         """
-        with self._recording(step, consumed) as conn:
+        with self._recording(step, consumed, rows) as conn:
             newest = conn.scalar(select(func.max(PolicyVersion.version)).where(PolicyVersion.run == self.run))
             version = int(newest or 0)
             conn.execute(insert(LearnerStep).values(
@@ -231,7 +266,8 @@ class LearnerLedger:
         return version
 
     @contextmanager
-    def _recording(self, step: int, consumed: list[tuple[str, int]]) -> Iterator[Connection]:
+    def _recording(self, step: int, consumed: list[tuple[str, int]], rows: StepRows | None
+                   ) -> Iterator[Connection]:
         """One transaction for a step's record (written by the caller) and its consumed marks (written here,
         after it: they refer to the step record). Anything that fails rolls all of it back."""
         if step < 1:
@@ -260,6 +296,8 @@ class LearnerLedger:
                         "not exist in this run or were consumed by another step; nothing was recorded"
                     )
                 run_counters.add_consumed(conn, self.run, states)
+                if rows is not None:
+                    rows.write(conn, self.run, step, set(pairs))
         except IntegrityError:
             raise CommitRefused(
                 f"step {step} of run {self.run!r}: the step or its policy version is already committed "

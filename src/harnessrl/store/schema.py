@@ -165,6 +165,8 @@ class RolloutAttempt(Base):
         Index(None, "run", "reward"),
         Index(None, "run", "policy_version_start"),
         Index(None, "run", "consumed_by_step"),
+        Index(None, "run", "train_rows"),
+        Index(None, "run", "reason"),
     )
 
     rollout_id: Mapped[str] = mapped_column(ID, ForeignKey("rollouts.rollout_id"), primary_key=True)
@@ -177,10 +179,36 @@ class RolloutAttempt(Base):
     reward_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     policy_version_start: Mapped[int | None] = mapped_column(Integer)
     consumed_by_step: Mapped[int | None] = mapped_column(Integer)
+    # The training rows the learner built from the attempt at the step that consumed it (trained or not);
+    # NULL until a step consumed it, and for attempts consumed before schema revision 0008.
+    train_rows: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class LearnerLogprobs(Base):
+    """The learner's own log-probs of one training row's trained tokens, as the step that consumed the attempt
+    computed them with its starting weights (the proximal policy the loss compares with): what the serving
+    engine's log-probs should agree with. ``logprobs``: little-endian float32, one per trained position in
+    order (``decision_mask``'s ones past position 0); ``row_index`` is the row's place among the attempt's rows
+    as ``merge_calls_into_rows`` orders them. Rows that trained no token have no entry.
+    """
+
+    __tablename__ = "learner_logprobs"
+    __table_args__ = (
+        ForeignKeyConstraint(
+            ["rollout_id", "attempt"], ["rollout_attempts.rollout_id", "rollout_attempts.attempt"]
+        ),
+    )
+
+    rollout_id: Mapped[str] = mapped_column(ID, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    row_index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run: Mapped[str] = mapped_column(ID, ForeignKey("runs.name"))
+    step: Mapped[int] = mapped_column(Integer)
+    logprobs: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class RunCounter(Base):
