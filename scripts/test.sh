@@ -42,6 +42,8 @@ if [ ! -x /usr/bin/chromium ] || ! command -v npm >/dev/null; then
 fi
 python src/harnessrl/ui/vendor.py || echo "WARNING: the UI's assets could not be fetched; the UI tests will fail" >&2
 scripts/harness-clis.sh >/dev/null || echo "WARNING: Claude Code / Codex CLI not installed; the harness_cli tests will fail" >&2
+# The coding example: bubblewrap (the sandbox of tests/test_swe_*) and mini-swe-agent in its own environment.
+scripts/swe-agent.sh >/dev/null || echo "WARNING: bubblewrap or mini-swe-agent not installed; the swe tests will fail" >&2
 # pytest's exit code is the script's (not exec: the EXIT trap must stop PostgreSQL); 5, nothing collected,
 # is a failure too.
 pytest "$@"

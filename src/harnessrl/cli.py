@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "proxy": "harnessrl.proxy.commands:proxy_command",
     "run": "harnessrl.local.commands:run_command",
     "status": "harnessrl.local.commands:status_command",
+    "swe": "harnessrl.swe.commands:swe_group",
     "tiny-model": "harnessrl.tiny_model:tiny_model_command",
     "ui": "harnessrl.ui.commands:ui_command",
     "validate": "harnessrl.spec.commands:validate_command",
