@@ -35,7 +35,7 @@ import msgspec
 
 from . import chat_served
 from .chat_served import carried, without_carried
-from .protocol import ClientWants, RequestError, Tokens, dumps
+from .protocol import ClientWants, Heartbeat, RequestError, Tokens, dumps
 
 PATH = chat_served.PATH
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -323,6 +323,11 @@ def sse_bytes(obj: Mapping[str, Any]) -> bytes:
 
 
 KEEPALIVE = sse_bytes({"type": "ping"})  # Anthropic's own keep-alive event
+
+
+def heartbeat(body: Mapping[str, Any], convert: Any) -> Heartbeat:
+    """The keep-alive of a streamed call answered whole: ``ping`` events (Claude Code's idle timers count them)."""
+    return Heartbeat(KEEPALIVE)
 
 
 def error_event(error: Mapping[str, Any]) -> bytes:

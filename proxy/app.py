@@ -170,6 +170,7 @@ class Exchange:
     convert: Any = None  # token continuity: turns the completions answer (or chunk) into the chat shape
     rendered: list[int] | None = None  # token continuity: the chat template's rendering of the messages
     chat_messages: list[Any] | None = None  # a call served as a chat completion: the chat messages it amounts to
+    answer_as: Any = None  # such a call: its translation from the chat completion (the route's ``converter``)
 
 
 class CaptureProxy:
@@ -437,11 +438,12 @@ class CaptureProxy:
                         raise
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
-                        if chat_body is not None:
-                            convert = chat_served.then(convert, wire(route).converter(body))
+                        answer_as = None if chat_body is None else wire(route).converter(body)
+                        if answer_as is not None:
+                            convert = chat_served.then(convert, answer_as)
                         x = Exchange(
                             route, who, body, wants, plan.payload, plan.path, started, convert,
-                            plan.rendered_prompt, None if chat_body is None else chat_body["messages"],
+                            plan.rendered_prompt, None if chat_body is None else chat_body["messages"], answer_as,
                         )  # fmt: skip
                         if chat_body is not None and body.get("stream") is True:
                             return await self._replayed(request, x)
@@ -453,8 +455,9 @@ class CaptureProxy:
                 if chat_body is not None:
                     payload = dumps(chat_served.for_upstream(chat_body, train=cfg.train, model=cfg.model_name,
                                                              sampling=sampling))
-                    x = Exchange(route, who, body, wants, payload, chat_served.PATH, started, shapes.converter(body),
-                                 None, chat_body["messages"])
+                    answer_as = shapes.converter(body)
+                    x = Exchange(route, who, body, wants, payload, chat_served.PATH, started, answer_as, None,
+                                 chat_body["messages"], answer_as)
                 else:
                     payload = dumps(
                         shapes.upstream_request(route, body, train=cfg.train, model=cfg.model_name, sampling=sampling)
@@ -531,6 +534,9 @@ class CaptureProxy:
                     data = await data
                 except DerenderFailed as exc:
                     return self._bad_upstream(x, answer.url, answer.policy_version, str(exc))
+                except asyncio.CancelledError:  # the harness left while the server derendered its answer
+                    self._capture_abandoned(x)
+                    raise
         tokens = wire(x.route).tokens_from_response(x.route, data)
         out = dumps(wire(x.route).strip_unrequested(data, x.wants))
         self.capture(
@@ -553,13 +559,16 @@ class CaptureProxy:
         ``continuity.py`` say why).
 
         Keep-alive: an answer not there after ``stream_keepalive_s`` gets its 200 and the stream's headers then,
-        and the protocol's keep-alive event every ``stream_keepalive_s`` until the answer is whole (Anthropic's
-        ``ping`` event, an SSE comment for Responses and chat, which every SSE reader skips): the first byte
-        came only after the whole generation (30-62 s on CPU for Claude Code and Codex, minutes on a GPU with
-        long generations), and clients with stream idle timeouts gave up. An error answered before that goes
-        back with its status as it came; one after it as the protocol's error event (``error_event``)."""
+        and the route's keep-alive every ``stream_keepalive_s`` until the answer is whole (its ``heartbeat``:
+        Anthropic's ``ping`` event; for Responses the answer's own ``response.created``, then
+        ``response.in_progress`` again, since Codex's idle timer does not count SSE comments; an SSE comment for
+        chat): the first byte came only after the whole generation (30-62 s on CPU for Claude Code and Codex,
+        minutes on a GPU with long generations), and clients with stream idle timeouts gave up. An error
+        answered before that goes back with its status as it came; one after it as the protocol's error event
+        (``error_event``)."""
         fetch = asyncio.ensure_future(self._unary(x))
         resp: web.StreamResponse | None = None
+        heart = wire(x.route).heartbeat(x.body, x.answer_as)
         try:
             while True:
                 done, _ = await asyncio.wait({fetch}, timeout=self.config.stream_keepalive_s)
@@ -567,7 +576,7 @@ class CaptureProxy:
                     break
                 if resp is None:
                     resp = await self._open_stream(request)
-                await resp.write(wire(x.route).KEEPALIVE)
+                await resp.write(heart.beat())
             answer = fetch.result()
             body = answer.body if isinstance(answer.body, bytes) else b""
             if resp is None and answer.status != 200:
@@ -582,7 +591,7 @@ class CaptureProxy:
                 if replay is not None:
                     await resp.write(replay(answered))
                 else:
-                    await resp.write(b"".join(map(shapes.sse_bytes, shapes.replay_events(answered))))
+                    await resp.write(b"".join(map(shapes.sse_bytes, heart.rest(shapes.replay_events(answered)))))
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             if not fetch.done():

@@ -67,6 +67,7 @@ class FakeUpstream:
         self.default_max_tokens = default_max_tokens
         self.chunk_delay_s = chunk_delay_s
         self.response_delay_s = 0.0  # before a non-streamed answer
+        self.finish_reason = "length"  # of a non-streamed chat answer ("stop": an answer that ended by itself)
         self.model = model
         self.script: deque[int | str] = deque()
         self.break_stream_after: int | None = None
@@ -197,7 +198,7 @@ class FakeUpstream:
                         "reasoning": None,
                     },
                     "logprobs": lp_entries(ids),
-                    "finish_reason": "length",
+                    "finish_reason": self.finish_reason,
                     "stop_reason": None,
                     "token_ids": ids if want_ids else None,
                 }

@@ -41,7 +41,32 @@ Route = Literal["chat", "completions"]
 ROUTE_PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 SSE_DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every SSE reader skips it (chat and Responses streams)
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: every SSE reader skips it (chat streams)
+
+
+class Heartbeat:
+    """The keep-alive of one stream answered whole: ``beat()`` is written while the answer is not there yet,
+    ``rest(events)`` is what is still to be sent of the answer's own events once it is.
+
+    This one writes the same bytes every time (an SSE comment for chat, Anthropic's ``ping`` event) and leaves
+    the answer's events alone. A keep-alive must be something the client's stream idle timer counts: Codex
+    CLI's does not count SSE comments (measured: with ``stream_idle_timeout_ms`` 3000 it gave up on a stream
+    of comments every 0.5 s), so Responses streams use events (``responses_api.ResponsesHeartbeat``).
+    """
+
+    def __init__(self, keepalive: bytes) -> None:
+        self.keepalive = keepalive
+
+    def beat(self) -> bytes:
+        return self.keepalive
+
+    def rest(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return events
+
+
+def heartbeat(body: Mapping[str, Any], convert: Any) -> Heartbeat:
+    """The keep-alive of a streamed chat call answered whole (``ServedPlan.replay``): SSE comments."""
+    return Heartbeat(KEEPALIVE)
 
 
 class RequestError(ValueError):

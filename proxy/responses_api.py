@@ -33,8 +33,10 @@ out again (``input_messages``/``output_messages`` null, log-prob lists empty, as
 from __future__ import annotations
 
 import base64
+import time
+import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import chat_served, protocol
@@ -172,7 +174,44 @@ def sse_bytes(obj: Mapping[str, Any]) -> bytes:
     return head + b"data: " + dumps(obj) + b"\n\n"
 
 
-KEEPALIVE = protocol.KEEPALIVE
+class ResponsesHeartbeat(protocol.Heartbeat):
+    """The keep-alive of a Responses stream answered whole: events, since Codex CLI's stream idle timer counts
+    events, not SSE comments (``protocol.Heartbeat``). The first beat is the answer's own start,
+    ``response.created`` then ``response.in_progress`` (the OpenAI SDK's stream helper refuses any event before
+    ``response.created``), each later beat ``response.in_progress`` again; once the answer is whole, ``rest``
+    leaves those two out of its events and numbers the others on. The response id is the one the answer will
+    carry when the call is served as a chat completion (``converter``); on vLLM's own route it is not known in
+    advance, and only the final event names the answer's id.
+    """
+
+    def __init__(self, body: Mapping[str, Any], response_id: str) -> None:
+        super().__init__(b"")
+        self.start = {**envelope(body, response_id, int(time.time()), body.get("model")), "status": "in_progress",
+                      "output": [], "usage": None}
+        self.sent = 0
+
+    def beat(self) -> bytes:
+        kinds = ("response.in_progress",) if self.sent else ("response.created", "response.in_progress")
+        out = []
+        for kind in kinds:
+            out.append(sse_bytes({"response": self.start, "sequence_number": self.sent, "type": kind}))
+            self.sent += 1
+        return b"".join(out)
+
+    def rest(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not self.sent:
+            return events
+        kept = [e for e in events if e.get("type") not in ("response.created", "response.in_progress")]
+        return [{**e, "sequence_number": self.sent + i} for i, e in enumerate(kept)]
+
+
+def heartbeat(body: Mapping[str, Any], convert: Any) -> protocol.Heartbeat:
+    """The keep-alive of a streamed call answered whole (``convert``: the answer's translation, or None)."""
+    return ResponsesHeartbeat(body, getattr(convert, "response_id", None) or new_response_id())
+
+
+def new_response_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
 
 
 def error_event(error: Mapping[str, Any]) -> bytes:
@@ -521,12 +560,16 @@ def _response_logprobs(choice: Mapping[str, Any]) -> list[dict[str, Any]]:
             for e in content or [] if isinstance(e, dict)]
 
 
-def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+def from_chat(body: Mapping[str, Any], chat: dict[str, Any], response_id: str | None = None) -> dict[str, Any]:
     """The Responses answer vLLM's own route would give for a chat completion (its items, status and usage),
-    carrying the chat completion's tokens for the capture."""
+    carrying the chat completion's tokens for the capture. Its id is ``response_id`` (its items' ids follow
+    it), else the chat completion's."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
-    suffix = str(chat.get("id") or "").removeprefix("chatcmpl-")
+    if response_id is not None:
+        suffix = response_id.removeprefix("resp_")
+    else:
+        suffix = str(chat.get("id") or "").removeprefix("chatcmpl-")
     output: list[dict[str, Any]] = []
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     if reasoning:
@@ -554,15 +597,30 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     usage = chat.get("usage") or {}
     prompt_tokens, completion_tokens = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
     return {
-        "id": f"resp_{suffix}",
-        "object": "response",
-        "created_at": chat.get("created"),
-        "model": chat.get("model"),
+        **envelope(body, f"resp_{suffix}", chat.get("created"), chat.get("model")),
         "status": "incomplete" if incomplete else "completed",
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "output": output,
+        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": prompt_tokens + completion_tokens},
+        chat_served.CAPTURE_KEY: chat_served.carry(chat),
+    }
+
+
+def envelope(body: Mapping[str, Any], response_id: str, created_at: Any, model: Any) -> dict[str, Any]:
+    """A Responses answer without its status, output and usage (``from_chat`` fills them in), in vLLM's field
+    order: what it repeats of its request."""
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "model": model,
+        "status": None,
+        "incomplete_details": None,
         "error": None,
         "instructions": body.get("instructions"),
-        "output": output,
+        "output": [],
         "tools": body.get("tools") or [],
         "tool_choice": body.get("tool_choice", "auto"),
         "parallel_tool_calls": body.get("parallel_tool_calls", True),
@@ -578,14 +636,23 @@ def from_chat(body: Mapping[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
         "truncation": body.get("truncation", "disabled"),
         "user": body.get("user"),
         "background": False,
-        "usage": {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": prompt_tokens + completion_tokens},
+        "usage": None,
         "input_messages": None,
         "output_messages": None,
-        chat_served.CAPTURE_KEY: chat_served.carry(chat),
     }
 
 
-def converter(body: Mapping[str, Any]) -> Any:
-    return lambda chat: from_chat(body, chat)
+@dataclass
+class Converter:
+    """Turns the chat completion a call was served as into its Responses answer, under an id chosen when the
+    call came in (a stream's keep-alive announces it before the answer exists: ``ResponsesHeartbeat``)."""
+
+    body: Mapping[str, Any]
+    response_id: str = field(default_factory=new_response_id)
+
+    def __call__(self, chat: dict[str, Any]) -> dict[str, Any]:
+        return from_chat(self.body, chat, self.response_id)
+
+
+def converter(body: Mapping[str, Any]) -> Converter:
+    return Converter(body)

@@ -47,7 +47,7 @@ from harnessrl.trainer.rows import merge_calls_into_rows
 
 pytest_plugins = ["vllm_fixtures"]
 
-pytestmark = [pytest.mark.vllm, pytest.mark.harness_cli]
+pytestmark = [pytest.mark.harness_cli]
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_MAX_MODEL_LEN = 65536
@@ -205,10 +205,11 @@ def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------- Codex
 
 
-def codex_sandbox(clis: dict[str, Path], sandboxes: list[Sandbox], proxy: Any, rollout: str
+def codex_sandbox(clis: dict[str, Path], sandboxes: list[Sandbox], proxy: Any, rollout: str, provider: str = ""
                   ) -> tuple[Sandbox, dict[str, str]]:
     """A sandbox for Codex and its environment: its config names the proxy as a Responses provider for
-    ``rollout``, its tools that execute are off, its sandbox read-only, approvals never asked."""
+    ``rollout`` (``provider``: more of its settings, TOML lines), its tools that execute are off, its sandbox
+    read-only, approvals never asked."""
     box = Sandbox.create(clis["codex"])
     sandboxes.append(box)
     base_url = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
@@ -223,6 +224,7 @@ name = "harnessrl"
 base_url = "{base_url}"
 wire_api = "responses"
 env_key = "HARNESSRL_API_KEY"
+{provider}
 [features]
 shell_tool = false
 unified_exec = false
@@ -232,6 +234,7 @@ unified_exec = false
     return box, {"CODEX_HOME": str(config.parent), "HARNESSRL_API_KEY": "unused"}
 
 
+@pytest.mark.vllm
 def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
     """``codex exec`` then ``codex exec resume --last``: every call is served as a chat completion (Codex's
     client_metadata, reasoning, encrypted reasoning, namespace and web_search tools decided, the drops counted),
@@ -251,6 +254,7 @@ def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_
             assert metric_value(text, "harnessrl_proxy_dropped_fields_total", route="responses", field=field) == 2
 
 
+@pytest.mark.vllm
 def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_server, tokenizer, tmp_path, sandboxes):
     """Tool calls forced on every turn: Codex runs its tools (they fail on the random arguments) and goes on for
     ever, so it is stopped after a few calls. Each stored completion spells the function call Codex recorded."""
@@ -284,6 +288,7 @@ def claude_env(base_url: str) -> dict[str, str]:
             "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
 
 
+@pytest.mark.vllm
 def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
     """``claude -p`` with tool calls forced for 3 turns (``--max-turns``), then ``--continue`` for 2 more: one row,
     every completion spelling the tool_use Claude Code recorded, its input as generated (the random arguments are
@@ -307,3 +312,51 @@ def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server
             arguments = json.loads(got["input"]["_raw"]) if set(got["input"]) == {"_raw"} else got["input"]
             assert sampled_call(tokenizer, call) == {"name": got["name"], "arguments": arguments}
             assert call.response["usage"]["input_tokens"] == len(call.prompt_token_ids)
+
+
+# -------------------------------------------------------------------------------------- a slow generation
+
+
+def test_both_clis_read_the_keepalives_of_a_slow_generation(clis, tmp_path, sandboxes):
+    """A generation longer than each CLI's stream idle limit: both wait for it, one request each, because the
+    proxy's keep-alives are events their idle timers count (Codex's does not count SSE comments: it gave up
+    on them, then retried, so that a call slower than its idle limit became several requests; with its
+    default limit of 300 s, which a CLI call reached under load). The upstream is the fake vLLM answering
+    after ``SLOW_S``, beyond both limits (Codex's set to 5 s, Claude Code's byte watchdog to its 10 s
+    minimum), so no model is needed; the CLIs run at once."""
+    from proxy_servers import LoopThread, RunningProxy, RunningUpstream, proxy_config
+
+    from harnessrl.proxy.fake_upstream import FakeUpstream
+
+    slow_s = 12.0
+    loops = LoopThread()
+    fake = FakeUpstream()
+    fake.response_delay_s, fake.finish_reason = slow_s, "stop"
+    upstream = RunningUpstream(loops, fake)
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = TraceStore.connect(store_url)
+    store.upgrade()
+    proxy = RunningProxy(loops, proxy_config([upstream.url], store_url, tmp_path / "spool", rollout_id=None,
+                                             run="slow", stream_keepalive_s=0.2), store)
+    try:
+        codex, env = codex_sandbox(clis, sandboxes, proxy, "codex-slow", provider=(
+            "stream_idle_timeout_ms = 5000\nstream_max_retries = 0\nrequest_max_retries = 0"))
+        claude = Sandbox.create(clis["claude"])
+        sandboxes.append(claude)
+        started = [codex.start("codex", ["exec", "--skip-git-repo-check", TASK], env),
+                   claude.start("claude", ["-p", TASK, "--model", "tiny", "--tools", "", "--max-turns", "1"],
+                                {**claude_env(f"{proxy.url}/rollouts/claude-slow/attempts/0"),
+                                 "CLAUDE_BYTE_STREAM_IDLE_TIMEOUT_MS": "10000"})]
+        outputs = [process.communicate(timeout=CLI_TIMEOUT_S)[0] for process in started]
+        assert [process.returncode for process in started] == [0, 0], [out[-2000:] for out in outputs]
+        proxy.flush(60)
+        text = metrics(proxy)
+        for rollout, route in (("codex-slow", "responses"), ("claude-slow", "messages")):
+            assert metric_value(text, "harnessrl_proxy_requests_total", route=route, status="200") == 1, text
+            assert metric_value(text, "harnessrl_proxy_requests_total", route=route, status="499") is None
+            assert [c.status for c in store.read_calls(rollout, 0)] == [CallStatus.OK]
+    finally:
+        proxy.stop()
+        upstream.stop()
+        loops.close()
+        store.close()

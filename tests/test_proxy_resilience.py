@@ -182,6 +182,36 @@ def test_harness_timeout_on_a_unary_call_stores_aborted(upstream, make_proxy, st
     assert call.status is CallStatus.ABORTED and call.http_status == 499 and call.completion_token_ids == []
 
 
+def test_harness_leaving_while_the_server_derenders_its_answer_stores_aborted(upstream, make_proxy, store):
+    """A continued call with tools is generated, then turned into a chat completion by the server's derender
+    endpoint (``continuity.ServedPlan``); a harness that leaves during that second request was counted as a
+    499 but its call was never recorded, so the store missed a call the metrics showed (issue 26's CLI tests
+    compare the two). The plan here is a real ServedPlan on the fake upstream's chat route whose derender
+    step takes longer than the harness waits."""
+    import asyncio
+
+    from harnessrl.proxy.continuity import ServedPlan
+
+    proxy = make_proxy([upstream.url])
+
+    async def slow_derender(answer):
+        await asyncio.sleep(5)
+        return answer
+
+    async def plan(who, body, recent, model, sampling):
+        request = {"model": "m", "messages": MESSAGES, "return_token_ids": True, "logprobs": True}
+        return ServedPlan(request, [1, 2], 0, False, path="/v1/chat/completions", derender=slow_derender)
+
+    proxy.proxy.continuity.plan = plan
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{proxy.v1}/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=0.5)
+    wait_for(lambda: len(store.read_calls("r-1", 0)) == 1, what="the aborted call")
+    [call] = store.read_calls("r-1", 0)
+    assert call.status is CallStatus.ABORTED and call.http_status == 499
+    text = httpx.get(f"{proxy.url}/metrics").text
+    assert metric_value(text, "harnessrl_proxy_requests_total", route="chat", status="499") == 1
+
+
 # ---------------------------------------------------------------------------------------------- SIGTERM
 
 
