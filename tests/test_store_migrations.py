@@ -224,3 +224,27 @@ def test_upgrade_to_0003_keeps_calls_and_records_the_sampling_of_new_ones(store_
         store.add_calls(new)
         assert [c.sampling for c in store.read_calls("after", 0)] == [sampling] * len(new)
         assert store.read_calls("after", 0) == new
+
+
+def test_upgrade_waits_for_a_store_that_comes_up(tmp_path: Path) -> None:
+    """`db upgrade --wait` (the chart's init container) retries while the database cannot be reached, as a
+    chart's PostgreSQL that is still starting, and migrates once it can; without --wait it fails at once."""
+    folder = tmp_path / "not-yet"
+    url = f"sqlite:///{folder}/store.db"
+    assert CliRunner().invoke(main, ["db", "upgrade", "--url", url]).exit_code == 1
+    appears = threading.Timer(3.0, folder.mkdir)
+    appears.start()
+    try:
+        result = CliRunner().invoke(main, ["db", "upgrade", "--url", url, "--wait", "60"])
+    finally:
+        appears.cancel()
+    assert result.exit_code == 0, result.output
+    assert "retrying for up to 60 s" in result.output and "(head)" in result.output
+    assert (folder / "store.db").is_file()
+
+
+def test_upgrade_that_waited_in_vain_names_the_last_error(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/never/store.db"
+    result = CliRunner().invoke(main, ["db", "upgrade", "--url", url, "--wait", "3"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith(f"Error: cannot connect to store {url}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import click
 from alembic.util import CommandError
 from sqlalchemy.exc import SQLAlchemyError
@@ -25,10 +27,19 @@ def db_group() -> None:
 
 @db_group.command("upgrade")
 @URL_OPTION
-def upgrade_command(url: str) -> None:
+@click.option(
+    "--wait",
+    "wait_s",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Seconds to keep retrying while the database cannot be reached (a chart's PostgreSQL that is still "
+    "starting: its headless Service has no DNS name until the pod is ready).",
+)
+def upgrade_command(url: str, wait_s: float) -> None:
     """Apply all migrations (safe to run again, and from several pods at once)."""
     try:
-        engine = open_engine(url)
+        engine = _connect(url, wait_s)
         try:
             revision = upgrade(engine)
         finally:
@@ -38,6 +49,23 @@ def upgrade_command(url: str) -> None:
     except (SQLAlchemyError, CommandError) as exc:  # e.g. no CREATE permission, or a revision we do not know
         raise click.ClickException(f"cannot upgrade {safe_url(url)}: {first_line(exc)}") from None
     click.echo(f"{safe_url(url)}: at revision {revision} (head)")
+
+
+def _connect(url: str, wait_s: float):
+    """``open_engine``, retried every 2 s for ``wait_s`` while the server cannot be reached; the last error
+    is the one raised."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return open_engine(url)
+        except StoreError as exc:
+            if not str(exc).startswith("cannot connect") or time.monotonic() + 2 > deadline:
+                raise
+            if not told:
+                click.echo(f"{exc}; retrying for up to {wait_s:.0f} s", err=True)
+                told = True
+            time.sleep(2)
 
 
 @db_group.command("current")
