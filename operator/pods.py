@@ -70,6 +70,7 @@ class PodSummary:
     fatal: bool = False  # can never start (FATAL_WAITING)
     started_at: float | None = None  # when the harness container started (epoch seconds)
     created_at: float | None = None
+    disruption: str | None = None  # the DisruptionTarget condition's reason: why the pod is being deleted
 
     @property
     def key(self) -> tuple[str, int]:
@@ -113,6 +114,11 @@ def summarize_pod(body: dict[str, Any]) -> PodSummary | None:
             break
         elif "running" in state and started is None:
             started = epoch(state["running"].get("startedAt"))
+    disruption = next(
+        (_join(c.get("reason"), c.get("message")) for c in status.get("conditions") or []
+         if c.get("type") == "DisruptionTarget" and c.get("status") == "True"),
+        None,
+    )  # set before the deletion by an eviction (API or node pressure), preemption or taint manager
     if phase == "Failed" and exit_code is None:
         # The pod failed without the harness exiting on its own: evicted, past activeDeadlineSeconds, ...
         reason = _join(status.get("reason"), status.get("message")) or reason or "the pod failed"
@@ -127,6 +133,7 @@ def summarize_pod(body: dict[str, Any]) -> PodSummary | None:
         fatal=fatal,
         started_at=started,
         created_at=epoch(meta.get("creationTimestamp")),
+        disruption=disruption,
     )
 
 
@@ -391,4 +398,6 @@ class PodBackend:
             self._released.discard(summary.key)
             return
         if not summary.ended:
-            self.gone[summary.key] = "PodDeleted: the pod was deleted before the harness ended"
+            self.gone[summary.key] = "PodDeleted: the pod was deleted before the harness ended" + (
+                f" ({summary.disruption})" if summary.disruption else ""
+            )

@@ -251,6 +251,22 @@ def test_a_pod_deleted_before_it_ended_is_an_exit_without_code() -> None:
     assert b.exits() == []
 
 
+def test_an_evicted_pod_names_the_eviction() -> None:
+    """The API server marks a pod it evicts (or preempts) with a DisruptionTarget condition before deleting
+    it: the attempt's reason says so, so a user tells an eviction from a deletion by hand."""
+    api, pods = RecordingApi(), []
+    b = backend(api, pods)
+    body = pod("Running", harness={"running": {}})
+    body["status"]["conditions"] = [
+        {"type": "Ready", "status": "True"},
+        {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
+         "message": "Eviction API: evicting"},
+    ]
+    b.pod_deleted(summarize_pod(body))
+    assert b.exits() == [HarnessExit("r1", 0, None, "PodDeleted: the pod was deleted before the harness ended "
+                                                    "(EvictionByEvictionAPI: Eviction API: evicting)")]
+
+
 def test_creation_is_rate_bounded_and_suspend_stops_it() -> None:
     api, clock = RecordingApi(), [0.0]
     b = backend(api, [], clock)
