@@ -624,11 +624,9 @@ class CaptureProxy:
 
     def _unavailable(self, x: Exchange, exc: UpstreamUnavailable) -> web.Response:
         status = 504 if exc.timeout else 502
-        err = error_body(
-            str(exc),
-            type_="upstream_error",
-            code="upstream_timeout" if exc.timeout else "upstream_unavailable",
-        )
+        code = "upstream_timeout" if exc.timeout else "upstream_unavailable"
+        err = error_body(str(exc), type_="upstream_error", code=code)
+        self.metrics.upstream_failures.labels(x.route, str(status), code).inc()
         self.capture(
             x,
             err,
@@ -642,6 +640,7 @@ class CaptureProxy:
 
     def _bad_upstream(self, x: Exchange, url: str, version: int, message: str) -> web.Response:
         err = error_body(message, type_="upstream_error", code="upstream_bad_response")
+        self.metrics.upstream_failures.labels(x.route, "502", "upstream_bad_response").inc()
         self.capture(
             x,
             err,

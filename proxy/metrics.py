@@ -119,6 +119,14 @@ class ProxyMetrics:
             ["route", "status", "code"],
             registry=r,
         )
+        self.upstream_failures = Counter(
+            PREFIX + "upstream_failures",
+            "Calls the proxy answered with an error of its own because the upstream failed them (unreachable, "
+            "timed out, or an answer the proxy could not use; each is stored as an error call), by route, status "
+            "and error code.",
+            ["route", "status", "code"],
+            registry=r,
+        )
         self.continuity = Counter(
             PREFIX + "token_continuity",
             "Chat calls sent as token ids (used) or on the plain chat path (reason).",

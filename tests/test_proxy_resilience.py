@@ -88,6 +88,8 @@ def test_connection_refused_is_retried_then_reported_as_502(make_proxy, store):
     assert dead in resp.json()["error"]["message"]
     metrics = httpx.get(f"{proxy.url}/metrics").text
     assert metric_value(metrics, "harnessrl_proxy_upstream_retries_total", reason="connection") == 2
+    assert metric_value(metrics, "harnessrl_proxy_upstream_failures_total", route="chat", status="502",
+                        code="upstream_unavailable") == 1
     proxy.flush()
     [call] = store.read_calls("r-1", 0)
     assert call.status is CallStatus.ERROR and call.http_status == 502 and call.upstream == dead
@@ -210,6 +212,30 @@ def test_harness_leaving_while_the_server_derenders_its_answer_stores_aborted(up
     assert call.status is CallStatus.ABORTED and call.http_status == 499
     text = httpx.get(f"{proxy.url}/metrics").text
     assert metric_value(text, "harnessrl_proxy_requests_total", route="chat", status="499") == 1
+
+
+def test_an_answer_the_server_does_not_derender_is_a_counted_502(upstream, make_proxy, store):
+    """An error the proxy answers itself after a failed upstream step is stored and counted by its code."""
+    from harnessrl.proxy.continuity import DerenderFailed, ServedPlan
+
+    proxy = make_proxy([upstream.url])
+
+    async def failing_derender(answer):
+        raise DerenderFailed("the upstream's /v1/chat/completions/derender did not answer a chat completion")
+
+    async def plan(who, body, recent, model, sampling):
+        request = {"model": "m", "messages": MESSAGES, "return_token_ids": True, "logprobs": True}
+        return ServedPlan(request, [1, 2], 0, False, path="/v1/chat/completions", derender=failing_derender)
+
+    proxy.proxy.continuity.plan = plan
+    resp = httpx.post(f"{proxy.v1}/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
+    assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_bad_response"
+    text = httpx.get(f"{proxy.url}/metrics").text
+    assert metric_value(text, "harnessrl_proxy_upstream_failures_total", route="chat", status="502",
+                        code="upstream_bad_response") == 1
+    proxy.flush()
+    [call] = store.read_calls("r-1", 0)
+    assert call.status is CallStatus.ERROR and call.http_status == 502
 
 
 # ---------------------------------------------------------------------------------------------- SIGTERM
