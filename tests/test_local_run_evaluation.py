@@ -16,14 +16,16 @@ from pathlib import Path
 
 import pytest
 import yaml
-from sqlalchemy import select
+from sqlalchemy import select, update
 from test_local_run_errors import ROOT, model, run, write_spec  # noqa: F401 - model is a fixture
 
 from harnessrl.rollout_ids import is_evaluation
+from harnessrl.scheduler import evaluation_owed
 from harnessrl.store import RolloutState, TraceStore
 from harnessrl.store.evaluations import best_version, evaluation_results
+from harnessrl.store.learner_ledger import LearnerLedger
 from harnessrl.store.schema import EVALUATION as EVALUATION_KIND
-from harnessrl.store.schema import Rollout
+from harnessrl.store.schema import Rollout, RolloutAttempt
 
 STEPS = 8
 EVERY = 4
@@ -134,9 +136,36 @@ def test_export_best_writes_the_best_evaluated_version(evaluated_run, tmp_path: 
     assert f"exported version {best} " in proc.stdout and (tmp_path / "best" / "config.json").is_file()
 
 
-def _versions(store: TraceStore):
-    from harnessrl.store.learner_ledger import LearnerLedger
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_final_evaluation_cut_short_is_finished_when_run_again(evaluated_run) -> None:
+    """Two rollouts of the final round as a stop during it leaves them (cancelled, no reward): the same command
+    run again starts vLLM on the final version, runs them again and ends, with no learner and no training."""
+    run_dir, store, _ = evaluated_run
+    final = max(v.version for v in _versions(store))
+    with store.engine.begin() as conn:
+        cut = sorted(conn.scalars(select(Rollout.rollout_id).where(Rollout.run == "evals",
+                                                                    Rollout.evaluated_version == final)))[:2]
+        conn.execute(update(RolloutAttempt).where(RolloutAttempt.rollout_id.in_(cut)).values(
+            state=RolloutState.CANCELLED.value, reward=None, reason="Cancelled: the run is stopping"))
+    assert evaluation_owed(store, "evals", final)
+    training = [a for a in store.list_attempts("evals") if not is_evaluation(a.rollout_id)]
+    proc = subprocess.run([sys.executable, "-m", "harnessrl.cli", "run", str(run_dir.parent / "run.yaml"),
+                           "--run-dir", str(run_dir), "--steps", str(STEPS), "--no-live"], capture_output=True,
+                          text=True, timeout=1200, check=False)
+    print(proc.stdout[-3000:], proc.stderr[-2000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "not its final evaluation" in proc.stdout and "already finished" not in proc.stdout
+    assert not evaluation_owed(store, "evals", final)
+    latest = {a.rollout_id: a for a in sorted(store.list_attempts("evals"), key=lambda a: a.attempt)
+              if a.rollout_id in cut}
+    assert [(a.attempt, a.state) for a in latest.values()] == [(1, RolloutState.SUCCEEDED)] * 2
+    assert [a for a in store.list_attempts("evals") if not is_evaluation(a.rollout_id)] == training
+    assert LearnerLedger(store, "evals").committed_step() == STEPS
 
+
+def _versions(store: TraceStore):
     return LearnerLedger(store, "evals").versions()
 
 

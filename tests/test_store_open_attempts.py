@@ -37,7 +37,7 @@ def end(store: TraceStore, rollout_id: str, attempt: int, to: RolloutState) -> N
 
 
 def a_run_with_history(store: TraceStore) -> list[str]:
-    """Three groups of 3: one consumed (with a retried member), one finished, one still running; an
+    """Three groups of 3: one consumed (with a retried member and a requeued cancelled one), one finished, one still running; an
     evaluation rollout; a group created twice (a no-op)."""
     store.ensure_run("run")
     tasks = store.add_tasks("run", [{"id": f"t{i}"} for i in range(3)])
@@ -48,7 +48,9 @@ def a_run_with_history(store: TraceStore) -> list[str]:
     store.new_attempt(groups[0][0])
     end(store, groups[0][0], 1, S.SUCCEEDED)
     end(store, groups[0][1], 0, S.SUCCEEDED)
-    end(store, groups[0][2], 0, S.CANCELLED)
+    end(store, groups[0][2], 0, S.CANCELLED)  # by a stop: queued again (cancelled is never a final outcome)
+    store.new_attempt(groups[0][2])
+    end(store, groups[0][2], 1, S.FAILED)
     for rollout_id in groups[1]:
         end(store, rollout_id, 0, S.SUCCEEDED)
     store.try_transition(groups[2][0], 0, S.QUEUED, S.RUNNING)
@@ -63,7 +65,7 @@ def test_running_totals_equal_counting_every_row(store: TraceStore) -> None:
     a_run_with_history(store)
     states, training = counted_over_every_row(store)
     assert store.count_attempts("run") == states
-    assert states[S.SUCCEEDED] == 5 and states[S.FAILED] == 1 and states[S.QUEUED] == 3
+    assert states[S.SUCCEEDED] == 5 and states[S.FAILED] == 2 and states[S.QUEUED] == 3
     assert group_counts(store, "run") == (training, 2) == (9, 2)
 
 

@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from harnessrl.policy_serving import SERVED_MODEL_NAME
+from harnessrl.scheduler import versions_to_keep
 from harnessrl.store import TraceStore
-from harnessrl.store.evaluations import best_version, evaluation_results
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
 from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
@@ -355,13 +355,10 @@ class Learner:
     # -- rank 0 ------------------------------------------------------------------------------------------------
 
     def _evaluated_versions_to_keep(self) -> set[int]:
-        """What pruning spares (spec.evaluation): the best-evaluated version, and versions whose evaluation is
-        not complete yet (one of them may become the best)."""
+        """What pruning spares for spec.evaluation (``scheduler.versions_to_keep``)."""
         if self.ledger is None:
             return set()
-        results = evaluation_results(self.ledger.store, self.ledger.run)
-        best = best_version(results)
-        return {r.version for r in results if not r.complete} | ({best} if best is not None else set())
+        return versions_to_keep(self.ledger.store, self.ledger.run)
 
     def _wait_for_claim(self) -> StepClaim | None:
         """Poll the store on rank 0; every poll is one broadcast, so other ranks never hit a collective timeout."""

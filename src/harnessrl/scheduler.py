@@ -29,9 +29,9 @@ from typing import Any, Protocol
 from harnessrl.rollout_ids import evaluation_rollout_id, is_evaluation, training_rollout_id
 from harnessrl.spec.models import TrainingRunSpec
 from harnessrl.store import AttemptRecord, RolloutState, TraceStore
-from harnessrl.store.evaluations import evaluated_versions
+from harnessrl.store.evaluations import best_version, evaluated_versions, evaluation_results, evaluation_settings
 from harnessrl.store.scheduler_reads import ActiveAttempt, active_attempts, group_counts, latest_ended
-from harnessrl.store.schema import EVALUATION
+from harnessrl.store.schema import EVALUATION, TRAIN
 from harnessrl.store.states import Move
 
 log = logging.getLogger(__name__)
@@ -208,7 +208,7 @@ class RolloutScheduler:
         ended = self._enforce_deadlines(active, status)
         active = [attempt for attempt in active if (attempt.rollout_id, attempt.attempt) not in ended]
         self._retry_failures(status)
-        self._requeue_cancelled_evaluations(status)
+        self._requeue_cancelled(status, finishing)
         queued = [attempt for attempt in active if attempt.state is RolloutState.QUEUED]
         if not finishing:
             self._create_groups(status, len(queued) + status.retried)
@@ -317,14 +317,18 @@ class RolloutScheduler:
             status.groups_created += 1
         status.outstanding_groups = outstanding
 
-    def _requeue_cancelled_evaluations(self, status: SchedulerStatus) -> None:
-        """An evaluation rollout cancelled by a stop (Ctrl-C, a suspend) runs again once the run goes on: unlike
-        a training group, which trains with what it has, a round scores a version only once all of it ran."""
-        if self.settings.evaluation is None:
-            return
-        for rollout_id, _ in latest_ended(self.store, self.settings.run, (RolloutState.CANCELLED,), kind=EVALUATION):
-            self.store.new_attempt(rollout_id)
-            status.retried += 1
+    def _requeue_cancelled(self, status: SchedulerStatus, finishing: bool) -> None:
+        """A rollout cancelled by a stop (Ctrl-C or SIGTERM to ``harnessrl run``) runs again once the run goes
+        on: a round scores a version only once all of it ran, and a training group is trained on only once every
+        member ran (the learner never claims a group with a cancelled member, ``learner_ledger._final``), so a
+        stop costs the rollouts it interrupted, never a step trained on an empty or partial group. A finishing run
+        starts no training rollout: only its evaluation rollouts are queued again. The new attempt counts against
+        ``harness.maxAttempts`` like any other."""
+        kinds = ([] if finishing else [TRAIN]) + ([EVALUATION] if self.settings.evaluation is not None else [])
+        for kind in kinds:
+            for rollout_id, _ in latest_ended(self.store, self.settings.run, (RolloutState.CANCELLED,), kind=kind):
+                self.store.new_attempt(rollout_id)
+                status.retried += 1
 
     def _create_evaluation(self, policy_version: int, status: SchedulerStatus, finishing: bool) -> None:
         schedule = self.settings.evaluation
@@ -406,6 +410,36 @@ class RolloutScheduler:
     def _rollout_id(self, group: int, index: int) -> str:
         # Deterministic: re-creating a group after a crash mid-creation is a no-op in the store.
         return training_rollout_id(self.settings.run, group, index)
+
+
+def versions_to_keep(store: TraceStore, run: str) -> set[int]:
+    """The checkpoints pruning spares for the evaluation (``spec.evaluation``, as stored with the run): the
+    best-evaluated version (what ``harnessrl export --version best`` exports), versions whose round is not
+    complete yet (one of them may become the best), and the serving version while it is due a round the
+    scheduler has not created yet. The scheduler creates a round for the version it sees serving, while the
+    learner prunes as it commits the next version, before syncing it: with ``keepCheckpoints`` 1, or a learner
+    that many versions ahead of the scheduler's passes, that version would be gone before its round ran."""
+    evaluation = evaluation_settings(store, run)
+    results = evaluation_results(store, run, evaluation)
+    best = best_version(results)
+    keep = {result.version for result in results if not result.complete} | ({best} if best is not None else set())
+    serving = store.latest_policy_version(run, synced_only=True)
+    if evaluation is not None and serving is not None:
+        schedule = EvaluationSchedule(evaluation.every_steps, evaluation.at_start, evaluation.samples_per_task)
+        if schedule.due(serving, {result.version for result in results}):
+            keep.add(serving)
+    return keep
+
+
+def evaluation_owed(store: TraceStore, run: str, version: int) -> bool:
+    """Whether a run with ``spec.evaluation`` that trained all its steps still owes ``version`` (its final one)
+    an evaluation round: none was created, or part of one is queued, running, or was cancelled by a stop (a
+    finishing pass queues it again). ``harnessrl run`` stopped during its final round finishes it when run again."""
+    if version not in evaluated_versions(store, run):
+        return True
+    if latest_ended(store, run, (RolloutState.CANCELLED,), kind=EVALUATION):
+        return True
+    return any(is_evaluation(attempt.rollout_id) for attempt in active_attempts(store, run))
 
 
 def outcome(attempt: AttemptRecord, ended: HarnessExit) -> tuple[RolloutState, str | None]:

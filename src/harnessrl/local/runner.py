@@ -40,7 +40,7 @@ from harnessrl.local.stop_signals import StopSignals
 from harnessrl.local.vllm_server import VllmServer, free_port, healthy, kill_process_group, start_vllm, tail
 from harnessrl.policy_serving import SERVED_MODEL_NAME, continuity_flags, is_lora, lora_flags, served_model_name
 from harnessrl.proxy.spec_env import spec_environment
-from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
+from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings, evaluation_owed
 from harnessrl.spec.evaluation import evaluation_sampling
 from harnessrl.spec.harness import Tasks
 from harnessrl.spec.kube import EnvVar
@@ -157,10 +157,15 @@ class LocalRun:
             ledger.ensure_base_version(str(self.model_dir))
         version = ledger.committed_version()
         done = ledger.committed_step()
-        if done >= self.steps:
-            self._report(store)
-            print(f"run {self.name} already finished {done} steps; nothing to do")
-            return 0
+        # Trained to the end: only a final evaluation round a stop interrupted is left to do (no learner then).
+        evaluating_only = done >= self.steps
+        if evaluating_only:
+            final = store.latest_policy_version(self.name, synced_only=True) or 0
+            if self.spec.evaluation is None or not evaluation_owed(store, self.name, final):
+                self._report(store)
+                print(f"run {self.name} already finished {done} steps; nothing to do")
+                return 0
+            print(f"run {self.name} finished its {done} steps, not its final evaluation: finishing that")
         committed = ledger.version(version)
         # vLLM starts on the base model under LoRA (the adapter is loaded into it), else on the newest weights
         serving = Path(committed.checkpoint_path) if version and not lora else self.model_dir
@@ -183,7 +188,7 @@ class LocalRun:
             scheduler = RolloutScheduler(store, SchedulerSettings.from_spec(self.name, self.spec), backend, self.tasks,
                                          evaluation_tasks=self.evaluation_tasks)
             stack.callback(scheduler.stop_all)
-            learner = self._start_learner(upstream, proxy_url)
+            learner = None if evaluating_only else self._start_learner(upstream, proxy_url)
             print(f"run {self.name}: store {self.store_url}, directory {self.run_dir}, serving v{version} "
                   f"from {serving}")
             cluster_only = cluster_only_paths(self.spec)
@@ -192,7 +197,10 @@ class LocalRun:
             failure: RunError | None = None
             with StopSignals() as stop:
                 try:
-                    self._loop(store, scheduler, learner, stop)
+                    if learner is None:
+                        self._finish_evaluation(store, scheduler, stop)
+                    else:
+                        self._loop(store, scheduler, learner, stop)
                 except RunError as exc:  # a service died: stop the rest, show the summary, then the reason
                     failure = exc
             if stop.received is not None:
@@ -205,7 +213,7 @@ class LocalRun:
             raise failure
         if stop.received is not None:
             return stop.exit_code
-        return 0 if code == 0 else 1
+        return 0 if code == 0 or evaluating_only else 1
 
     def _loop(
         self, store: TraceStore, scheduler: RolloutScheduler, learner: subprocess.Popen[bytes], stop: StopSignals

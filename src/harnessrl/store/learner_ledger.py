@@ -180,10 +180,10 @@ class LearnerLedger:
         """The oldest ``tasks_per_step`` complete task groups, or None while fewer are complete.
 
         A task's group is its rollouts whose latest attempt no step consumed yet; it is complete when it has
-        at least ``group_size`` of them and every one is in a terminal state (succeeded, failed, timed out,
-        cancelled: the advantage code decides which train). Groups are ordered by when their last member
-        finished. Rollouts without a task (made by a standalone proxy) have no group and are never claimed, nor
-        are evaluation rollouts (``rollouts.kind``): an evaluation is never trained on.
+        at least ``group_size`` of them and every one is in a terminal state (succeeded, failed, timed out: the
+        advantage code decides which train; not cancelled, see ``_final``). Groups are ordered by when their
+        last member finished. Rollouts without a task (made by a standalone proxy) have no group and are never
+        claimed, nor are evaluation rollouts (``rollouts.kind``): an evaluation is never trained on.
         A failed or timed-out attempt with attempts left (``attempt + 1 < max_attempts``) is not final: the
         scheduler is about to queue its retry, and claiming the group now would train without it.
         """
@@ -318,5 +318,9 @@ RETRIED_STATES = (RolloutState.FAILED.value, RolloutState.TIMED_OUT.value)
 
 
 def _final(state: str, attempt: int, max_attempts: int) -> bool:
-    """Whether an attempt is its rollout's last word: terminal, and not about to be retried."""
+    """Whether an attempt is its rollout's last word: terminal, and not about to be retried. A cancelled attempt
+    never is: a stop (Ctrl-C or SIGTERM to ``harnessrl run``) cancelled it, and the scheduler queues the rollout
+    again when the run goes on, so a stop never turns the groups it interrupted into a step trained on nothing."""
+    if state == RolloutState.CANCELLED.value:
+        return False
     return state in TERMINAL_STATES and not (state in RETRIED_STATES and attempt + 1 < max_attempts)
