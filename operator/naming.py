@@ -24,6 +24,11 @@ LEARNER = "learner"
 HARNESS = "harness"
 
 VLLM_PORT = 8000
+"""A vLLM pod's public port (its gate, ``harnessrl vllm-gate``): vLLM's OpenAI paths, what proxies reach."""
+VLLM_CONTROL_PORT = 8001
+"""The same pod's control port: every path, pause and weight loading included; only the run's learner reaches it."""
+VLLM_SERVER_PORT = 8002
+"""Where vLLM itself listens, on the pod's loopback only: nothing outside the pod reaches it but through the gate."""
 
 
 def rollout_name(run: str) -> str:

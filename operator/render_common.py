@@ -212,13 +212,14 @@ def upstream_roots(run: TrainingRun) -> list[str]:
     return [f"http://{naming.rollout_name(run.metadata.name)}:{naming.VLLM_PORT}"]
 
 
-def replica_targets(run: TrainingRun) -> list[str]:
-    """The vLLM replicas one by one, for the learner (it syncs every replica) and the sidecar proxies (each
-    pins a rollout to one replica and reads that replica's weight label): the rollout's headless Service,
-    resolved again and again (``dns://``), where the Service's own name would pick a replica per request."""
+def replica_targets(run: TrainingRun, port: int = naming.VLLM_PORT) -> list[str]:
+    """The vLLM replicas one by one, for the learner (it syncs every replica, on ``naming.VLLM_CONTROL_PORT``)
+    and the sidecar proxies (each pins a rollout to one replica and reads that replica's weight label, on the
+    public ``naming.VLLM_PORT``): the rollout's headless Service, resolved again and again (``dns://``), where the
+    Service's own name would pick a replica per request. ``spec.rollout.upstreams`` are used as given."""
     if run.spec.rollout.upstreams:
         return upstream_roots(run)
-    return [dns_target(naming.rollout_pods_name(run.metadata.name), naming.VLLM_PORT)]
+    return [dns_target(naming.rollout_pods_name(run.metadata.name), port)]
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,7 @@ def learner_command(run: TrainingRun) -> list[str]:
         "--steps", str(learner.steps),
         "--metrics-port", str(METRICS_PORT),
     ]  # fmt: skip
-    for target in replica_targets(run):
+    for target in replica_targets(run, naming.VLLM_CONTROL_PORT):  # pause and reload: the gate's control port
         command += ["--replica", target]
     return command
 

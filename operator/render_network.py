@@ -1,4 +1,5 @@
-"""The NetworkPolicy around a run's harness pods (``spec.harness.sandbox.networkPolicy``).
+"""The NetworkPolicies of a run: around its harness pods (``spec.harness.sandbox.networkPolicy``), and in front
+of its vLLM pods (who may reach their control port).
 
 A harness pod may reach what its proxy needs and nothing else: the rollout servers, the trace store and DNS;
 with ``custom``, also the spec's egress rules. Nothing may connect to a harness pod.
@@ -36,6 +37,7 @@ def _to_endpoint(target: Endpoint) -> dict[str, Any]:
 
 
 def _rollout_rules(run: TrainingRun) -> list[dict[str, Any]]:
+    """The vLLM pods' public port only, never their control port (``render_rollout_network_policy``)."""
     upstreams = run.spec.rollout.upstreams
     if not upstreams:
         return [
@@ -108,5 +110,30 @@ def render_network_policy(
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [],
             "egress": egress,
+        },
+    }
+
+
+def render_rollout_network_policy(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any] | None:
+    """``<run>-rollout``, in front of the vLLM pods the operator runs (None with ``spec.rollout.upstreams``): the
+    public port (the gate's OpenAI paths) from anywhere, since the proxies, the kubelet's probes and Prometheus
+    all connect there; the control port (pause, weight reload, LoRA loading, sleep) from this run's learner pods
+    only. Nothing else: vLLM itself listens on the pod's loopback. Rendered whatever
+    ``sandbox.networkPolicy`` says, which is about the harness pods' own traffic."""
+    if run.spec.rollout.upstreams:
+        return None
+    name = run.metadata.name
+    learners = {"podSelector": {"matchLabels": naming.selector(name, naming.LEARNER)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": naming.child_metadata(naming.rollout_name(name), namespace, name, uid, naming.ROLLOUT),
+        "spec": {
+            "podSelector": {"matchLabels": naming.selector(name, naming.ROLLOUT)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [_tcp(naming.VLLM_PORT)]},
+                {"from": [learners], "ports": [_tcp(naming.VLLM_CONTROL_PORT)]},
+            ],
         },
     }

@@ -1,10 +1,17 @@
-"""The vLLM servers that generate rollouts: a Deployment and two Services.
+"""The vLLM servers that generate rollouts: a Deployment, two Services and the NetworkPolicy in front of them.
 
 The server is started as ``harnessrl run`` starts it (``local/vllm_server.py``; the served names and the LoRA
 flags from ``harnessrl.policy_serving``, one mapping for both): ``VLLM_SERVER_DEV_MODE=1`` so the learner can
-reload weights in place through ``/collective_rpc``, usage statistics off. What a cluster adds: the model from a claim or a hub, the learner's checkpoint claim
-mounted read-only at the learner's own path (weight sync hands vLLM the path the learner wrote), and probes
-that tell "loading the model" (up to ``OperatorConfig.provisioning_timeout_seconds``) from "hung".
+reload weights in place through ``/collective_rpc``, usage statistics off. What a cluster adds: the model from a
+claim or a hub, the learner's checkpoint claim mounted read-only at the learner's own path (weight sync hands vLLM
+the path the learner wrote), and probes that tell "loading the model" (up to
+``OperatorConfig.provisioning_timeout_seconds``) from "hung".
+
+vLLM serves its control paths (pause, weight reload, LoRA loading, sleep) beside its OpenAI API on one port,
+unauthenticated, and a harness reaches whatever its proxy sidecar reaches. So vLLM listens on the pod's loopback
+only, and the gate (``harnessrl vllm-gate``, from the proxy image) is the pod's listener: the public port
+``naming.VLLM_PORT`` forwards the OpenAI paths alone, the control port ``naming.VLLM_CONTROL_PORT`` everything,
+and the rollout NetworkPolicy admits only the run's learner pods to the control port.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from harnessrl.operator.render_common import (
     merge_env,
     pod_scheduling,
     read_only_root,
+    restricted_security,
     run_claims,
     spec_env,
     writable_paths,
@@ -63,8 +71,8 @@ def vllm_args(run: TrainingRun) -> list[str]:
     rollout = spec.rollout
     args = [
         model_argument(run),
-        "--host", "0.0.0.0",
-        "--port", str(naming.VLLM_PORT),
+        "--host", "127.0.0.1",  # the gate is the pod's only way in (this module's docstring)
+        "--port", str(naming.VLLM_SERVER_PORT),
         "--served-model-name", served_model_name(spec),  # the base model's name under a LoRA policy
         "--max-model-len", str(rollout.max_model_len),
         "--tensor-parallel-size", str(rollout.tensor_parallel),
@@ -95,8 +103,9 @@ def vllm_env(run: TrainingRun) -> list[dict[str, Any]]:
 
 
 def _http_probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    """Through the gate's public port: vLLM itself listens on loopback, where the kubelet cannot connect."""
     return {
-        "httpGet": {"path": path, "port": "http"},
+        "httpGet": {"path": path, "port": naming.VLLM_PORT},
         "periodSeconds": period,
         "timeoutSeconds": timeout,
         "failureThreshold": failures,
@@ -122,7 +131,6 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
         "command": ["vllm", "serve"],
         "args": vllm_args(run),
         "env": vllm_env(run),
-        "ports": [{"name": "http", "containerPort": naming.VLLM_PORT, "protocol": "TCP"}],
         "startupProbe": _http_probe("/v1/models", PROBE_PERIOD_SECONDS, startup_failures, 5),
         "readinessProbe": _http_probe("/health", 5, 3, 5),
         "livenessProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 6, 10),
@@ -133,6 +141,46 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     if resources:
         container["resources"] = resources
     return container
+
+
+GATE_CONTAINER = "gate"
+GATE_UID = 65532  # the proxy image's user
+GATE_REQUESTS = {"cpu": "250m", "memory": "128Mi"}
+
+
+def gate_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
+    """``harnessrl vllm-gate`` in front of vLLM: the image of the run's proxies (``spec.proxy.image``, else the
+    operator's), as locked down as the proxy sidecar. Its liveness is its own control port accepting connections;
+    the vLLM container's probes pass through its public port, so a gate that stops forwarding takes the replica
+    out of the Services as a failing vLLM would."""
+    return {
+        "name": GATE_CONTAINER,
+        "image": run.spec.proxy.image or config.proxy_image,
+        "command": ["harnessrl", "vllm-gate"],
+        "args": [
+            "--upstream", f"http://127.0.0.1:{naming.VLLM_SERVER_PORT}",
+            "--port", str(naming.VLLM_PORT),
+            "--control-port", str(naming.VLLM_CONTROL_PORT),
+        ],  # fmt: skip
+        "env": cache_env(),
+        "ports": [
+            {"name": "http", "containerPort": naming.VLLM_PORT, "protocol": "TCP"},
+            {"name": "control", "containerPort": naming.VLLM_CONTROL_PORT, "protocol": "TCP"},
+        ],
+        "livenessProbe": {
+            "tcpSocket": {"port": "control"},
+            "periodSeconds": PROBE_PERIOD_SECONDS,
+            "failureThreshold": 3,
+        },
+        "resources": {"requests": dict(GATE_REQUESTS)},
+        "volumeMounts": writable_paths()[1],
+        "securityContext": {
+            **restricted_security(),
+            "runAsUser": GATE_UID,
+            "runAsGroup": GATE_UID,
+            "readOnlyRootFilesystem": True,
+        },
+    }
 
 
 def rollout_volumes(run: TrainingRun) -> list[dict[str, Any]]:
@@ -155,7 +203,7 @@ def render_rollout_deployment(
     """
     name = run.metadata.name
     pod_spec: dict[str, Any] = {
-        "containers": [vllm_container(run, config)],
+        "containers": [vllm_container(run, config), gate_container(run, config)],
         "volumes": rollout_volumes(run),
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
@@ -171,7 +219,11 @@ def render_rollout_deployment(
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "progressDeadlineSeconds": config.provisioning_timeout_seconds,
             "template": {
-                "metadata": {"labels": naming.labels(name, naming.ROLLOUT)},
+                "metadata": {
+                    "labels": naming.labels(name, naming.ROLLOUT),
+                    # `kubectl logs` and `exec` without -c: vLLM's, not the gate's
+                    "annotations": {"kubectl.kubernetes.io/default-container": "vllm"},
+                },
                 "spec": pod_spec,
             },
         },
@@ -180,6 +232,10 @@ def render_rollout_deployment(
 
 def _service_port() -> dict[str, Any]:
     return {"name": "http", "port": naming.VLLM_PORT, "targetPort": "http", "protocol": "TCP"}
+
+
+def _control_port() -> dict[str, Any]:
+    return {"name": "control", "port": naming.VLLM_CONTROL_PORT, "targetPort": "control", "protocol": "TCP"}
 
 
 def render_rollout_service(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any]:
@@ -199,8 +255,8 @@ def render_rollout_service(run: TrainingRun, namespace: str, uid: str) -> dict[s
 
 def render_rollout_pods_service(run: TrainingRun, namespace: str, uid: str) -> dict[str, Any]:
     """Headless Service ``<run>-rollout-pods``: its DNS name lists every ready replica's address, for clients
-    that must reach each replica (weight sync) or pin a rollout to one. Not-ready replicas are left out: a
-    replica still loading the model must not get calls."""
+    that must reach each replica (weight sync, on the control port) or pin a rollout to one (the proxies, on
+    the public port). Not-ready replicas are left out: a replica still loading the model must not get calls."""
     name = run.metadata.name
     return {
         "apiVersion": "v1",
@@ -212,6 +268,6 @@ def render_rollout_pods_service(run: TrainingRun, namespace: str, uid: str) -> d
             "clusterIP": "None",
             "publishNotReadyAddresses": False,
             "selector": naming.selector(name, naming.ROLLOUT),
-            "ports": [_service_port()],
+            "ports": [_service_port(), _control_port()],
         },
     }

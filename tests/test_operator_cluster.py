@@ -173,6 +173,7 @@ def test_a_run_provisions_children_runs_rollouts_and_reports_status(
                 ("job", f"{run}-learner"),
                 ("service", f"{run}-learner"),
                 ("networkpolicy", f"{run}-harness"),
+                ("networkpolicy", f"{run}-rollout"),
             ):
                 child = wait_for(
                     f"{kind}/{name}",
@@ -183,6 +184,15 @@ def test_a_run_provisions_children_runs_rollouts_and_reports_status(
                 owner = json.loads(child)["metadata"]["ownerReferences"][0]
                 assert (owner["kind"], owner["uid"], owner["controller"]) == ("TrainingRun", uid, True)
 
+            # vLLM's control port admits the run's learner pods only; its pods listen through the gate alone
+            ingress = get(kube, ns, "networkpolicy", f"{run}-rollout")["spec"]["ingress"]
+            learners = {"podSelector": {"matchLabels": {RUN_LABEL: run, COMPONENT_LABEL: "learner"}}}
+            assert ingress == [{"ports": [{"protocol": "TCP", "port": 8000}]},
+                               {"from": [learners], "ports": [{"protocol": "TCP", "port": 8001}]}]
+            vllm_pod = get(kube, ns, "deployment", f"{run}-rollout")["spec"]["template"]["spec"]
+            assert [c["name"] for c in vllm_pod["containers"]] == ["vllm", "gate"]
+            learner = get(kube, ns, "job", f"{run}-learner")["spec"]["template"]["spec"]["containers"][0]
+            assert f"dns://{run}-rollout-pods:8001" in learner["command"]
             status = wait_for(
                 "6 rollouts to succeed",
                 lambda: (

@@ -1,11 +1,13 @@
 """The real node (``scripts/kube.sh up --real-node``) does what kwok only pretends: containers run, pods reach
 the API server and each other through Services and cluster DNS, claims bind through a real provisioner, and
 NetworkPolicies are enforced. The operator's own harness policy is checked here by traffic it must let
-through and traffic it must stop.
+through and traffic it must stop, and so is the rollout policy with the gate in front of vLLM: a harness cannot
+reach vLLM's control paths, the learner can.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ from harnessrl.devcluster import Cluster
 from harnessrl.devcluster.node_config import CLUSTER_DNS_IP, HELPER_IMAGE, STORAGE_CLASS
 from harnessrl.operator import naming
 from harnessrl.operator.config import OperatorConfig
-from harnessrl.operator.render_network import render_network_policy
+from harnessrl.operator.render_common import writable_paths
+from harnessrl.operator.render_network import render_network_policy, render_rollout_network_policy
+from harnessrl.operator.render_rollout import gate_container
 from harnessrl.spec.problems import parse_training_run
 from kube_helpers import wait_for
 
@@ -199,3 +203,70 @@ def test_kubectl_logs_and_exec_reach_the_node(real_cluster: Cluster, real_namesp
     out = real_cluster.kubectl("exec", "-n", real_namespace, "web", "--", "/bin/busybox", "echo", "from-exec")
     assert out.stdout.strip() == "from-exec"
     assert http_status(real_cluster, real_namespace, "web", "127.0.0.1", 8080).startswith("HTTP/1.")
+
+
+GATED = "gated"
+
+
+def status_line(cluster: Cluster, namespace: str, client: str, address: str, port: int, method: str, path: str
+                ) -> str:
+    """The status line of ``method path`` from ``client`` to address:port, "" when no connection is made."""
+    head = f"{method} {path} HTTP/1.0\\r\\nContent-Length: 0\\r\\n\\r\\n"
+    request = f"printf '{head}' | /bin/busybox nc -w 3 {address} {port} | head -n 1"
+    result = cluster.kubectl("exec", "-n", namespace, client, "--", "/bin/busybox", "sh", "-c", request, check=False)
+    return result.stdout.strip()
+
+
+def test_only_the_learner_reaches_the_vllm_control_port(real_cluster: Cluster, real_namespace: str) -> None:
+    """A vLLM pod as the operator renders it, with busybox's httpd standing in for vLLM on the pod's loopback
+    (the real image takes minutes to start here): the rendered gate in front, the rendered rollout policy
+    around it, and traffic from a harness, a learner and an unrelated pod."""
+    doc = yaml.safe_load((ROOT / "examples" / "trainingrun-minimal.yaml").read_text())
+    doc["metadata"]["name"] = GATED
+    run = parse_training_run(doc)
+    # vLLM's stand-in answers every path on loopback:8002 only; the gate is the rendered one
+    serve = f"httpd -f -p 127.0.0.1:{naming.VLLM_SERVER_PORT} -h /tmp/www"
+    stand_in = f"mkdir -p /tmp/www && echo ok > /tmp/www/health && {serve}"
+    rollout = pod("rollout", stand_in, naming.selector(GATED, naming.ROLLOUT))
+    rollout["spec"]["containers"].append(gate_container(run, OperatorConfig()))
+    rollout["spec"]["volumes"] = copy.deepcopy(writable_paths()[0])
+    idle = "sleep 3600"
+    apply(real_cluster, real_namespace, rollout,
+          pod("learner", idle, naming.selector(GATED, naming.LEARNER)),
+          pod("harness", idle, naming.selector(GATED, naming.HARNESS)),
+          pod("outsider", idle, {"app": "outsider"}))
+    real_cluster.kubectl("wait", "-n", real_namespace, "--for=condition=Ready", "pod", "--all", "--timeout=120s")
+    address = get(real_cluster, real_namespace, "pod", "rollout")["status"]["podIP"]
+
+    def ask(client: str, port: int, method: str, path: str) -> str:
+        return status_line(real_cluster, real_namespace, client, address, port, method, path)
+
+    # before any policy: the gate alone keeps control paths off the public port, and vLLM off the network
+    assert " 200" in ask("harness", naming.VLLM_PORT, "GET", "/health")
+    assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/pause")
+    assert ask("harness", naming.VLLM_SERVER_PORT, "GET", "/health") == ""
+    assert ask("harness", naming.VLLM_CONTROL_PORT, "POST", "/pause").startswith("HTTP/1")
+
+    policy = render_rollout_network_policy(run, real_namespace, "uid")
+    assert policy is not None
+    policy["metadata"].pop("ownerReferences", None)  # no TrainingRun object owns it in this test
+    apply(real_cluster, real_namespace, policy)
+    expected = {
+        ("learner", naming.VLLM_CONTROL_PORT, "POST", "/pause"): True,  # forwarded to vLLM
+        ("harness", naming.VLLM_CONTROL_PORT, "POST", "/pause"): False,  # no connection at all
+        ("outsider", naming.VLLM_CONTROL_PORT, "POST", "/pause"): False,
+        ("harness", naming.VLLM_PORT, "GET", "/health"): True,  # what a proxy calls
+        ("outsider", naming.VLLM_PORT, "GET", "/health"): True,  # Prometheus, the probes: any source
+    }
+    observed: dict = {}
+
+    def served(line: str) -> bool:  # a status line from the stand-in, not the gate's refusal
+        return line.startswith("HTTP/1") and " 403" not in line
+
+    def settled() -> bool:
+        observed.update({key: served(ask(*key)) for key in expected})
+        return observed == expected
+
+    wait_for(f"the policy to be enforced (expected {expected}, observed {observed})", settled, timeout=30, every=1)
+    assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/collective_rpc")
+    assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/v1/load_lora_adapter")

@@ -532,16 +532,16 @@ def test_vllm_command_and_env() -> None:
     assert server["command"] == ["vllm", "serve"]
     args = server["args"]
     for flag, value in [
-        ("--port", "8000"),
+        ("--port", "8002"),
         ("--served-model-name", "policy-base"),  # a LoRA run: the base under its own name
         ("--max-model-len", "32768"),
         ("--tensor-parallel-size", "2"),
-        ("--host", "0.0.0.0"),
+        ("--host", "127.0.0.1"),  # behind its gate: test_vllm_is_reached_only_through_its_gate
     ]:
         assert args[args.index(flag) + 1] == value
     assert args[-1] == "--enable-prefix-caching"
     assert env_of(server)["VLLM_SERVER_DEV_MODE"] == "1" and env_of(server)["VLLM_LOGGING_LEVEL"] == "INFO"
-    assert server["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert "ports" not in server
 
 
 def test_gpus_only_when_asked_for() -> None:
@@ -563,6 +563,10 @@ def test_vllm_probes_wait_for_the_model_not_the_http_server() -> None:
     assert startup["periodSeconds"] * startup["failureThreshold"] >= CONFIG.provisioning_timeout_seconds
     assert server["readinessProbe"]["httpGet"]["path"] == "/health"
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
+    # through the gate's public port: vLLM listens on loopback, where the kubelet's probes cannot connect
+    assert {probe["httpGet"]["port"] for probe in (startup, server["readinessProbe"], server["livenessProbe"])} == {
+        naming.VLLM_PORT
+    }
 
 
 def test_rollout_services() -> None:
@@ -572,7 +576,11 @@ def test_rollout_services() -> None:
     headless = by_kind(children, "Service", naming.rollout_pods_name("swe-qwen"))["spec"]
     selector = naming.selector("swe-qwen", naming.ROLLOUT)
     assert plain["selector"] == headless["selector"] == selector
-    assert plain["ports"][0]["port"] == headless["ports"][0]["port"] == 8000
+    assert plain["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert headless["ports"] == [  # the learner reaches each replica's control port by the headless name
+        {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"},
+        {"name": "control", "port": 8001, "targetPort": "control", "protocol": "TCP"},
+    ]
     assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False
     deployment = by_kind(children, "Deployment")
     assert deployment["spec"]["selector"]["matchLabels"] == selector
@@ -606,7 +614,8 @@ def test_learner_is_an_indexed_job_with_a_rendezvous_service() -> None:
     # the run's name comes from the spec file: a --run after torchrun's -m is taken for its own --run-path
     assert "--run" not in command and command[command.index("--steps") + 1] == "200"
     # every replica, by the headless Service's DNS answer at each sync (the Service would pick one at random)
-    assert command[command.index("--replica") + 1] == "dns://swe-qwen-rollout-pods:8000"
+    # on the gate's control port, the only one that serves pause and weight loading
+    assert command[command.index("--replica") + 1] == "dns://swe-qwen-rollout-pods:8001"
     assert learner["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert learner["image"] == CONFIG.learner_image
     image = variant(CLUSTER, lambda s: s["learner"].update(image="ghcr.io/acme/learner:9"))
@@ -622,9 +631,64 @@ def test_learner_is_an_indexed_job_with_a_rendezvous_service() -> None:
 
 
 def test_network_policy_none_creates_none() -> None:
+    """``networkPolicy: none`` is about the harness pods: the policy in front of vLLM's control port stays."""
     run = VARIANTS["cpu-no-policy"]()
     assert render_network_policy(run, NAMESPACE, UID, CONFIG) is None
-    assert "NetworkPolicy" not in [o["kind"] for o in render_run_children(run, NAMESPACE, UID, CONFIG)]
+    policies = [o for o in render_run_children(run, NAMESPACE, UID, CONFIG) if o["kind"] == "NetworkPolicy"]
+    assert [policy["metadata"]["name"] for policy in policies] == ["swe-qwen-rollout"]
+
+
+def test_vllm_is_reached_only_through_its_gate() -> None:
+    """vLLM listens on its pod's loopback; the gate is the pod's listener, with the OpenAI paths on the public
+    port and everything on the control port; proxies get the public port, the learner the control port."""
+    run = parse_training_run(CLUSTER)
+    pod = render_rollout_deployment(run, NAMESPACE, UID, CONFIG)["spec"]["template"]["spec"]
+    assert [item["name"] for item in pod["containers"]] == ["vllm", "gate"]
+    args = container(pod, "vllm")["args"]
+    assert (args[args.index("--host") + 1], args[args.index("--port") + 1]) == ("127.0.0.1", "8002")
+    gate = container(pod, "gate")
+    assert gate["command"] == ["harnessrl", "vllm-gate"] and gate["image"] == CONFIG.proxy_image
+    assert gate["args"] == ["--upstream", "http://127.0.0.1:8002", "--port", "8000", "--control-port", "8001"]
+    assert gate["ports"] == [
+        {"name": "http", "containerPort": 8000, "protocol": "TCP"},
+        {"name": "control", "containerPort": 8001, "protocol": "TCP"},
+    ]
+    assert gate["securityContext"]["readOnlyRootFilesystem"] is True
+    assert gate["securityContext"]["runAsNonRoot"] is True
+    children = render_run_children(run, NAMESPACE, UID, CONFIG)
+    harness = render_harness_pod(run, NAMESPACE, UID, CONFIG, launch_for(run))["spec"]
+    assert env_of(container(harness, "proxy"))["HARNESSRL_UPSTREAMS"] == "dns://swe-qwen-rollout-pods:8000"
+    learner = container(by_kind(children, "Job")["spec"]["template"]["spec"], "learner")["command"]
+    assert [learner[i + 1] for i, arg in enumerate(learner) if arg == "--replica"] == [
+        "dns://swe-qwen-rollout-pods:8001"
+    ]
+
+
+def test_only_the_runs_learner_may_reach_the_vllm_control_port() -> None:
+    run = parse_training_run(CLUSTER)
+    children = render_run_children(run, NAMESPACE, UID, CONFIG)
+    policy = by_kind(children, "NetworkPolicy", "swe-qwen-rollout")["spec"]
+    assert policy["podSelector"]["matchLabels"] == naming.selector("swe-qwen", naming.ROLLOUT)
+    assert policy["policyTypes"] == ["Ingress"]
+    assert policy["ingress"] == [
+        {"ports": [{"protocol": "TCP", "port": 8000}]},  # proxies, probes, Prometheus: the OpenAI paths only
+        {
+            "from": [{"podSelector": {"matchLabels": naming.selector("swe-qwen", naming.LEARNER)}}],
+            "ports": [{"protocol": "TCP", "port": 8001}],
+        },
+    ]
+    # the learner's pods carry the labels the policy admits
+    job = by_kind(children, "Job")["spec"]["template"]["metadata"]["labels"]
+    assert naming.selector("swe-qwen", naming.LEARNER).items() <= job.items()
+    # and a harness may never leave for any port of the vLLM pods but the public one
+    harness = by_kind(children, "NetworkPolicy", "swe-qwen-harness")["spec"]["egress"]
+    to_rollout = [rule for rule in harness if "podSelector" in json.dumps(rule.get("to", []))
+                  and naming.ROLLOUT in json.dumps(rule)]
+    assert to_rollout == [{"to": [{"podSelector": {"matchLabels": naming.selector("swe-qwen", naming.ROLLOUT)}}],
+                           "ports": [{"protocol": "TCP", "port": 8000}]}]
+    # a run on servers of its own gets no vLLM pods, so no policy for them
+    upstreams = render_run_children(VARIANTS["upstreams"](), NAMESPACE, UID, CONFIG)
+    assert [o["metadata"]["name"] for o in upstreams if o["kind"] == "NetworkPolicy"] == ["minimal-harness"]
 
 
 def test_network_policy_custom_adds_the_egress_cidrs() -> None:
@@ -652,7 +716,7 @@ def test_the_store_port_comes_from_the_url_the_operator_resolved() -> None:
     run = parse_training_run(CLUSTER)
     url = "postgresql+psycopg://u:p@10.3.3.3:6432/db"
     children = render_run_children(run, NAMESPACE, UID, CONFIG, store_url=url)
-    egress = by_kind(children, "NetworkPolicy")["spec"]["egress"]
+    egress = by_kind(children, "NetworkPolicy", "swe-qwen-harness")["spec"]["egress"]
     assert {"to": [{"ipBlock": {"cidr": "10.3.3.3/32"}}], "ports": [{"protocol": "TCP", "port": 6432}]} in egress
     assert not any(rule.get("ports") == [{"protocol": "TCP", "port": 5432}] for rule in egress)
     by_name = render_network_policy(run, NAMESPACE, UID, CONFIG, "postgresql://u@db.example:7000/db")
@@ -748,7 +812,7 @@ def test_learner_and_vllm_write_only_to_volumes(name: str) -> None:
             assert item["securityContext"]["readOnlyRootFilesystem"] is True, item["name"]
             writable = writable_mounts(pod, item)
             variables = env_of(item)
-            wanted = CACHE_VARIABLES + (("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT") if pod is deployment else ())
+            wanted = CACHE_VARIABLES + (("VLLM_CACHE_ROOT", "VLLM_CONFIG_ROOT") if item["name"] == "vllm" else ())
             for variable in wanted:
                 path = variables[variable]
                 inside = any(path == root or path.startswith(root + "/") for root in writable)

@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "tiny-model": "harnessrl.tiny_model:tiny_model_command",
     "ui": "harnessrl.ui.commands:ui_command",
     "validate": "harnessrl.spec.commands:validate_command",
+    "vllm-gate": "harnessrl.proxy.vllm_gate:gate_command",
 }
 
 
