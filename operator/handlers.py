@@ -4,6 +4,8 @@
   not kopf): a run's reconciler starts only once it holds every existing pod, so a restarted operator sees
   every pod it created before it decides anything (no LIST per reconcile, no false "lost" rollouts); a pod
   that ends or goes wakes the run's reconciler at once.
+- volume attach and mount errors come from one watch of Warning pod Events per namespace (``volume_events.py``):
+  a vLLM or learner pod that waits on a volume says why only there.
 - ``rollout_deployments`` and ``learner_jobs`` are kopf indexes (a few objects per run), kept current by
   kopf's watch; kopf starts no other handler before they hold every existing object.
 - ``run_daemon`` reconciles one run at least every ``RECONCILE_INTERVAL_S`` (level-based: each pass starts from the
@@ -29,9 +31,11 @@ from harnessrl.operator.controller import Apis, RunController, Workloads
 from harnessrl.operator.metrics import METRICS
 from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, LEARNER, ROLLOUT, RUN_LABEL
 from harnessrl.operator.pod_informer import PodInformer
+from harnessrl.operator.volume_events import VolumeEvents
 from harnessrl.operator.pods import PodSummary
 from harnessrl.operator.status import Observed, build_status, epoch, same_status
 from harnessrl.operator.status_writer import StatusWriter
+from harnessrl.operator.workload_pods import with_volume_problems
 from harnessrl.spec.models import GROUP, VERSION
 from harnessrl.spec.status import Phase, Reason
 from harnessrl.store import RolloutState
@@ -43,6 +47,7 @@ PLURAL = "trainingruns"
 
 _controllers: dict[tuple[str, str], RunController] = {}
 _informers: dict[str, PodInformer] = {}
+_volume_events: dict[str, VolumeEvents] = {}
 _lock = threading.Lock()
 _state: dict[str, Any] = {}
 
@@ -95,6 +100,17 @@ def _informer(namespace: str) -> PodInformer:
         return informer
 
 
+def _volumes(namespace: str) -> VolumeEvents:
+    """The namespace's watch of volume errors, started with its first run."""
+    with _lock:
+        events = _volume_events.get(namespace)
+        if events is None or not events.is_alive():
+            events = VolumeEvents(_state["apis"].core, namespace)
+            events.start()
+            _volume_events[namespace] = events
+        return events
+
+
 def _pod_changed(namespace: str, run: str, summary: PodSummary, deleted: bool) -> None:
     """A pod ended or went: wake its run's reconciler so the freed slot is refilled at once; a deletion is
     also passed to the pod backend, which the informer's current view alone cannot show."""
@@ -113,6 +129,9 @@ def stop_informers(**_: Any) -> None:
         for informer in _informers.values():
             informer.stop()
         _informers.clear()
+        for events in _volume_events.values():
+            events.stop()
+        _volume_events.clear()
     _release_finalizers(namespaces)
 
 
@@ -162,6 +181,7 @@ def run_daemon(
 
     key = (namespace, name)
     informer = _informer(namespace)
+    volumes = _volumes(namespace)
     while not informer.synced.wait(RECONCILE_INTERVAL_S):  # every existing pod is known before any decision
         if stopped:
             return
@@ -173,7 +193,8 @@ def run_daemon(
         _state["config"],
         pods=informer.view(name),
         workloads=lambda: Workloads(
-            _first(rollout_deployments, key), _first(learner_jobs, key), informer.workload_pods(name)
+            _first(rollout_deployments, key), _first(learner_jobs, key),
+            with_volume_problems(informer.workload_pods(name), volumes.problem),
         ),
         renderers=(render_run_children, render_harness_pod),
         metrics=METRICS,

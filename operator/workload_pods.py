@@ -4,12 +4,15 @@ A Deployment or Job only says "0 available"; the reason is on its pods: the sche
 condition (``Unschedulable``: no node has the GPUs, memory or CPU asked for) and the kubelet's waiting reasons
 (an image that cannot be pulled, a Secret or ConfigMap an env var names that does not exist). The operator
 sees these pods through the same informer as the harness pods, and turns the first problem into the run's
-reason and a message naming the field to change.
+reason and a message naming the field to change. A volume that cannot be attached or mounted shows on the pod
+only as ContainerCreating; its reason is in the pod's Events (``volume_events.py``), joined in by
+:func:`with_volume_problems`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harnessrl.operator.naming import COMPONENT_LABEL, LEARNER, ROLLOUT
@@ -18,6 +21,7 @@ from harnessrl.spec.status import Reason
 IMAGE_PULL = frozenset({"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"})
 CONFIG = frozenset({"CreateContainerConfigError"})
 CRASHED = frozenset({"CrashLoopBackOff", "OOMKilled"})
+VOLUME = frozenset({"FailedAttachVolume", "FailedMount"})  # Event reasons (volume_events.py)
 NOT_READY = "NotReady"
 """A container that started but fails its readiness probe (the kubelet's ready flag; a vLLM still loading its
 model has not started yet, which is provisioning, not a problem)."""
@@ -29,8 +33,10 @@ class WorkloadPod:
 
     name: str
     component: str
-    problem: str | None = None  # Unschedulable, ImagePullBackOff, CreateContainerConfigError
+    problem: str | None = None  # Unschedulable, ImagePullBackOff, CreateContainerConfigError, FailedMount, ...
     message: str | None = None
+    creating: bool = False
+    """A container waits in ContainerCreating: where a pod whose volume cannot be attached or mounted stays."""
 
 
 def summarize_workload_pod(body: dict[str, Any]) -> WorkloadPod | None:
@@ -57,7 +63,21 @@ def summarize_workload_pod(body: dict[str, Any]) -> WorkloadPod | None:
         if running is not None and container.get("started") and container.get("ready") is False:
             message = f"container {container.get('name')} runs but fails its readiness probe"
             return WorkloadPod(name, component, NOT_READY, message)
-    return WorkloadPod(name, component)
+    creating = any(((c.get("state") or {}).get("waiting") or {}).get("reason") == "ContainerCreating"
+                   for c in containers)
+    return WorkloadPod(name, component, creating=creating)
+
+
+def with_volume_problems(
+    pods: tuple[WorkloadPod, ...], volume_problem: Callable[[str], tuple[str, str] | None]
+) -> tuple[WorkloadPod, ...]:
+    """``pods`` with the volume error of each one still in ContainerCreating (``volume_problem(name)``: the
+    reason and message of its newest FailedAttachVolume or FailedMount Event) as its problem."""
+    joined = []
+    for pod in pods:
+        found = volume_problem(pod.name) if pod.creating and pod.problem is None else None
+        joined.append(replace(pod, problem=found[0], message=found[1]) if found else pod)
+    return tuple(joined)
 
 
 def _crash_loop(name: str, component: str, container: dict[str, Any]) -> WorkloadPod:
@@ -81,7 +101,8 @@ _FIXES = {
     (LEARNER, "Unschedulable"): "lower spec.learner.gpusPerNode, spec.learner.nodes or "
     "spec.learner.resources, let spec.learner.scheduling (nodeSelector, tolerations, affinity) match nodes "
     "that have them, or add such nodes",
-    (ROLLOUT, "image"): "fix spec.rollout.image, or name a pull secret in "
+    (ROLLOUT, "image"): "fix spec.rollout.image (container vllm) or spec.proxy.image (container gate, default: "
+    "the operator's HARNESSRL_OPERATOR_PROXY_IMAGE), or name a pull secret in "
     "spec.rollout.scheduling.imagePullSecrets",
     (LEARNER, "image"): "fix spec.learner.image (default: the operator's HARNESSRL_OPERATOR_LEARNER_IMAGE), "
     "or name a pull secret in spec.learner.scheduling.imagePullSecrets",
@@ -98,6 +119,10 @@ _FIXES = {
     "path, spec.rollout.args or too little memory)",
     (LEARNER, "CrashLoopBackOff"): "see `kubectl logs --previous` of the pod's learner container",
     (ROLLOUT, NOT_READY): "see `kubectl describe` of the pod for the probe's answer, and the vllm container's log",
+    (ROLLOUT, "volume"): "check the claims it mounts (spec.model.volume, spec.learner.checkpointVolume): a "
+    "ReadWriteOnce claim attaches to one node at a time, and `kubectl describe pvc` shows the storage's error",
+    (LEARNER, "volume"): "check the claims it mounts (spec.learner.checkpointVolume, spec.model.volume): a "
+    "ReadWriteOnce claim attaches to one node at a time, and `kubectl describe pvc` shows the storage's error",
     (LEARNER, NOT_READY): "see `kubectl describe` of the pod for the probe's answer",
 }
 _WHAT = {ROLLOUT: "vLLM", LEARNER: "learner"}
@@ -119,9 +144,9 @@ def workload_problem(
         elif pod.problem in IMAGE_PULL:
             reason, fix = Reason.IMAGE_PULL_FAILED, _FIXES[(component, "image")]
             said = f"cannot pull its image ({pod.problem})"
-        elif pod.problem in CRASHED or pod.problem == NOT_READY:
+        elif pod.problem in CRASHED or pod.problem == NOT_READY or pod.problem in VOLUME:
             reason = Reason.ROLLOUT_UNAVAILABLE if component == ROLLOUT else Reason.LEARNER_CRASHED
-            fix = _FIXES[(component, pod.problem)]
+            fix = _FIXES[(component, "volume" if pod.problem in VOLUME else pod.problem)]
             said = ("is not serving" if component == ROLLOUT else "is not running") + f" ({pod.problem})"
         else:
             reason, fix = Reason.INVALID_SPEC, _FIXES[(component, "config")]

@@ -9,10 +9,12 @@ from typing import Any
 import pytest
 
 from harnessrl.operator.naming import COMPONENT_LABEL, RUN_LABEL
+from harnessrl.operator.volume_events import VolumeEvents
 from harnessrl.operator.workload_pods import (
     WorkloadPod,
     kubelet_reason,
     summarize_workload_pod,
+    with_volume_problems,
     workload_problem,
 )
 from harnessrl.spec.status import Reason
@@ -140,3 +142,38 @@ def test_a_replica_still_loading_its_model_is_no_problem() -> None:
         {"name": "vllm", "ready": False, "started": False, "state": {"running": {}}}]}
     pods = (summarize_workload_pod(body("rollout", **loading)),)
     assert workload_problem(pods, "rollout") is None and kubelet_reason(pods, "rollout") is None
+
+
+CREATING = {"phase": "Pending", "containerStatuses": [
+    {"name": "learner", "ready": False, "started": False, "state": {"waiting": {"reason": "ContainerCreating"}}},
+]}  # fmt: skip
+MOUNT = ("FailedMount", 'MountVolume.SetUp failed for volume "checkpoints": mount.nfs: access denied by server')
+
+
+def test_a_pod_waiting_on_its_volume_is_named_with_the_events_reason() -> None:
+    """ContainerCreating is all the pod says; the volume error comes from its Events (volume_events.py)."""
+    waiting = summarize_workload_pod(body("learner", **CREATING))
+    assert waiting == WorkloadPod("swe-learner-x", "learner", creating=True)
+    assert workload_problem((waiting,), "learner") is None  # no Event (yet): still provisioning
+    joined = with_volume_problems((waiting,), {"swe-learner-x": MOUNT}.get)
+    reason, message = workload_problem(joined, "learner")
+    assert reason is Reason.LEARNER_CRASHED and "access denied by server" in message
+    assert "spec.learner.checkpointVolume" in message and kubelet_reason(joined, "learner") == "FailedMount"
+    # a pod past ContainerCreating keeps its own state, whatever an old Event said
+    running = summarize_workload_pod(body("learner", phase="Running"))
+    assert with_volume_problems((running,), {"swe-learner-x": MOUNT}.get) == (running,)
+
+
+def test_volume_events_keep_each_pods_newest_volume_error() -> None:
+    events = VolumeEvents(core_v1=None, namespace="team-a")
+
+    def event(pod: str, reason: str, message: str) -> dict[str, Any]:  # as the watch sends it
+        return {"kind": "Event", "involvedObject": {"kind": "Pod", "name": pod}, "reason": reason,
+                "message": message, "type": "Warning"}
+
+    events.note("ADDED", event("a", "FailedAttachVolume", "Multi-Attach error for volume x"))
+    events.note("MODIFIED", event("a", "FailedMount", "timed out waiting for the condition "))
+    events.note("ADDED", event("b", "BackOff", "Back-off restarting failed container"))  # not a volume error
+    events.note("DELETED", event("c", "FailedMount", "gone"))
+    assert events.problem("a") == ("FailedMount", "timed out waiting for the condition")
+    assert events.problem("b") is None and events.problem("c") is None
