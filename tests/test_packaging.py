@@ -47,8 +47,20 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
+    (out / "build.log").write_text(proc.stdout + proc.stderr)
     (built,) = out.glob("harnessrl-*.whl")
     return built
+
+
+def test_the_build_prints_no_warning(wheel: Path) -> None:
+    """pip shows the build backend's warnings even with -q: setuptools' "Package would be ignored" box for each
+    data folder (ui/static, ui/templates) printed at every install, which a newcomer reads as a failure."""
+    output = (wheel.parent / "build.log").read_text()
+    assert "Warning" not in output and "!!" not in output, output[-3000:]
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"harnessrl/ui/templates/base.html", "harnessrl/ui/static/app.js", "harnessrl/ui/assets.json",
+            "harnessrl/store/migrations/script.py.mako", "harnessrl/devcluster/kwok-pod-stages.yaml"} <= names
+    assert any(name.startswith("harnessrl/ui/static/vendor/") for name in names)  # fetched at build time
 
 
 def test_wheel_contains_every_module(wheel: Path) -> None:
