@@ -43,9 +43,9 @@ def tasks_command(libraries: tuple[str, ...], output: Path, per_library: int, ma
     count = write_tasks(reports, output)
     for report in reports:
         kinds = Counter(task["mutation"]["kind"] for task in report.tasks)
-        detail = report.error or (f"{report.tried} mutations tried, rejected: "
-                                  + (", ".join(f"{n} {why}" for why, n in sorted(report.rejected.items())) or "none")
-                                  + f"; kinds: {dict(sorted(kinds.items()))}")
+        rejected = ", ".join(f"{n} {why}" for why, n in sorted(report.rejected.items())) or "none"
+        detail = report.error or (f"{report.tried} mutations tried, rejected: {rejected}; "
+                                  f"kinds: {dict(sorted(kinds.items()))}")
         click.echo(f"{report.requirement}: {len(report.tasks)} tasks in {report.seconds:.0f} s ({detail})")
     click.echo(f"{count} tasks written to {output} in {time.monotonic() - started:.0f} s")
     if count == 0:
@@ -67,7 +67,8 @@ def verify_command() -> None:
 
 
 @swe_group.command("sandbox", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds before everything is killed.")
+@click.option("--timeout", type=float, default=60.0, show_default=True,
+              help="Seconds before everything in the sandbox is killed.")
 @click.option("--memory-mb", type=int, default=2048, show_default=True, help="Address space per process.")
 @click.option("--max-processes", type=int, default=256, show_default=True)
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)

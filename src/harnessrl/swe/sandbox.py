@@ -216,8 +216,8 @@ def _run(argv: list[str], limits: SandboxLimits, uid: int | None) -> SandboxResu
     argv = [argv[0], "--info-fd", str(info_write), *argv[1:]]
     started = time.monotonic()
     try:
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   pass_fds=[info_write], start_new_session=True,
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, pass_fds=[info_write], start_new_session=True,
                                    preexec_fn=preexec)  # noqa: PLW1509
     finally:
         os.close(info_write)
@@ -230,7 +230,7 @@ def _run(argv: list[str], limits: SandboxLimits, uid: int | None) -> SandboxResu
             _kill_sandbox(process, info)
             output, _ = process.communicate()
     text = output.decode("utf-8", "replace")
-    if process.returncode == 1 and text.startswith("bwrap:") and not timed_out:  # bwrap itself could not build the sandbox
+    if process.returncode == 1 and text.startswith("bwrap:") and not timed_out:  # bwrap could not build it
         raise SandboxUnavailable(f"the sandbox could not start: {text.strip()} (bubblewrap needs unprivileged "
                                  "user namespaces: sysctl user.max_user_namespaces above 0)")
     return SandboxResult(process.returncode, text, timed_out, time.monotonic() - started)

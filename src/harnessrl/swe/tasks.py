@@ -184,7 +184,8 @@ def make_task(name: str, version: str, snapshot: Path, pristine: Path, layout: L
     }
 
 
-def problem_statement(name: str, version: str, layout: Layout, failing: list[str], messages: dict[str, str]) -> str:
+def problem_statement(name: str, version: str, layout: Layout, failing: list[str],
+                      messages: dict[str, str]) -> str:
     """A bug report as a user who ran the tests would file it: which tests fail and how. It quotes pytest's
     one-line crash messages only (no traceback, which would point at the changed line)."""
     lines = [f"Some of {name} {version}'s own tests fail.", "",

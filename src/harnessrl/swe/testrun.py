@@ -53,7 +53,7 @@ def run_suite(root: Path, layout: Layout, *, limits: SandboxLimits = TEST_LIMITS
                "HARNESSRL_OUTCOMES": str(report)}
         command = ["python", "-m", "pytest", "-p", "pytest_outcomes", "-p", "no:cacheprovider", "-q",
                    "--tb=no", "--no-header", "-rN", "--rootdir", str(root), *layout.test_paths]
-        result = run_sandboxed(command, writable=[root, Path(out)], readable={plugin: f"{PLUGIN_DIR}/{plugin.name}"},
-                               chdir=root, env=env, limits=limits)
+        result = run_sandboxed(command, writable=[root, Path(out)], chdir=root, env=env, limits=limits,
+                               readable={plugin: f"{PLUGIN_DIR}/{plugin.name}"})
         data = json.loads(report.read_text()) if report.is_file() else {"outcomes": {}, "messages": {}}
     return SuiteRun(data["outcomes"], data["messages"], result)

@@ -68,16 +68,16 @@ def _take_library_modules(agent_tree: Path, root: Path, layout: Layout) -> list[
     """Copy the agent's version of each library module (a released .py file that is no test) over the fresh
     tree; returns the ones that differ."""
     changed = []
+    inside = agent_tree.resolve()
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root).as_posix()
         if layout.is_test_file(relative) or not relative.startswith("" if layout.python_path == "." else
                                                                      f"{layout.python_path}/"):
             continue
         theirs = agent_tree / relative
-        if theirs.is_symlink() or (theirs.exists() and not theirs.is_file()):
-            changed.append(relative)  # a link or folder in its place: the module is gone
-            path.unlink()
-        elif not theirs.exists():
+        # A link (of the file or of a folder above it) could point the verifier, which reads as root, at a host
+        # file: a module whose path leaves the tree counts as deleted, as does a folder in a module's place.
+        if theirs.is_symlink() or not theirs.resolve().is_relative_to(inside) or not theirs.is_file():
             changed.append(relative)
             path.unlink()
         elif theirs.read_bytes() != path.read_bytes():
