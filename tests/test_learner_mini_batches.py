@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from learner_helpers import Sample, flat, record_group, sample_completions, two_turn
@@ -65,6 +66,28 @@ def one_step(tiny: Path, tmp_path: Path, samples: list[Sample], *, loss: LossCon
     return outcome.metrics, engine
 
 
+def check_stored_rows(tmp_path: Path) -> None:
+    """The step's commit kept what it made of each attempt: one row each (the second call extends the first),
+    and the learner's own log-probs on exactly the trained tokens of each row, as the trace explorer places
+    them. Step 1 trains from the weights that sampled the completions, so they equal the behaviour log-probs;
+    in a second update they come from the scoring pass before the first, in the first from its own forward."""
+    from sqlalchemy import select
+
+    from harnessrl.store.schema import RolloutAttempt
+    from harnessrl.ui.training_view import training_view
+
+    store = TraceStore.connect(f"sqlite:///{tmp_path / 'store.db'}")
+    with store.engine.connect() as conn:
+        assert conn.execute(select(RolloutAttempt.train_rows)).scalars().all() == [1] * 8
+    for attempt in store.list_attempts("mb"):
+        (row,) = training_view(store.engine, "mb", attempt.rollout_id, attempt.attempt).rows
+        trained = np.flatnonzero(row.trained)
+        assert row.learner_logprobs is not None and trained.size >= 5
+        np.testing.assert_allclose(row.learner_logprobs[trained], row.rollout_logprobs[trained], atol=1e-3)
+        assert np.isnan(np.delete(row.learner_logprobs, trained)).all()
+    store.close()
+
+
 # ACPO with the paper's alpha 3 widens its bound past every ratio here; alpha 0.5 keeps it narrow enough to act.
 ACPO = LossConfig(loss="acpo", acpo_alpha=0.5)
 
@@ -74,6 +97,7 @@ ACPO = LossConfig(loss="acpo", acpo_alpha=0.5)
 def test_the_second_update_of_a_step_sees_a_ratio_and_clips(tiny: Path, tmp_path: Path, samples, loss: LossConfig):
     metrics, _ = one_step(tiny, tmp_path, samples, loss=loss, mini_batches=2)
     assert metrics["updates"] == 2 and metrics["trained_rollouts"] == 8
+    check_stored_rows(tmp_path)
     assert metrics["clip_frac"] > 0, metrics
     assert metrics["clip_frac"] == pytest.approx(metrics["clip_frac_low"] + metrics["clip_frac_high"])
     assert metrics["approx_kl"] > 1e-4
@@ -86,6 +110,7 @@ def test_the_second_update_of_a_step_sees_a_ratio_and_clips(tiny: Path, tmp_path
 def test_one_mini_batch_is_one_on_policy_update_without_clipping(tiny: Path, tmp_path: Path, samples):
     metrics, _ = one_step(tiny, tmp_path, samples, loss=LossConfig(), mini_batches=1)
     assert metrics["updates"] == 1
+    check_stored_rows(tmp_path)
     assert metrics["clip_frac"] == 0 and metrics["approx_kl"] == 0 and metrics["ratio_mean"] == pytest.approx(1.0)
 
 

@@ -58,7 +58,7 @@ import torch
 from harnessrl.policy_serving import SERVED_MODEL_NAME
 from harnessrl.scheduler import versions_to_keep
 from harnessrl.store import TraceStore
-from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim
+from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim, StepRows
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
 from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
 from harnessrl.trainer.engine import (
@@ -234,6 +234,11 @@ class Learner:
         # None on rank 0: no rollout side (no replica, no proxy); versions are committed and never synced
         self.sync = sync if sync is not None else (default_weight_sync(settings) if self.main else None)
         self.version = 0  # the policy version the learner holds
+        # this step's rows: rank 0's (rollout, attempt, row index) of each TrainRow.index and rows built per
+        # attempt (``_build_batch``); every rank's own log-probs of its rows' trained tokens (``_loss_fn``)
+        self._origins: dict[int, tuple[str, int, int]] = {}
+        self._row_counts: dict[tuple[str, int], int] = {}
+        self._learner_logprobs: dict[int, np.ndarray] = {}
         self.steps_done = 0  # committed steps, trained or empty
         self.restored = "base"
 
@@ -309,6 +314,7 @@ class Learner:
         train_started = time.perf_counter()
         result = None if plan.empty else self._train(plan.mini_batches)
         train_seconds = time.perf_counter() - train_started
+        rows = self._step_rows(gather=not plan.empty)
 
         save_started = time.perf_counter()
         path = None if plan.empty else save_checkpoint(self.engine, self.ckpt, version)
@@ -328,9 +334,9 @@ class Learner:
             metrics["step_seconds"] = time.perf_counter() - started
             try:
                 if path is None:
-                    self.ledger.consume(step, _json_safe(metrics), claim.keys)
+                    self.ledger.consume(step, _json_safe(metrics), claim.keys, rows=rows)
                 else:
-                    self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys, version=version)
+                    self.ledger.commit(step, str(path), _json_safe(metrics), claim.keys, version=version, rows=rows)
             except CommitRefused as exc:
                 self.metrics.commit_refusals.inc()
                 status[0] = str(exc)
@@ -381,9 +387,22 @@ class Learner:
                 return claim if self.main else StepClaim((), ())
             time.sleep(self.settings.poll_interval_s)
 
+    def _step_rows(self, gather: bool) -> StepRows | None:
+        """What the step made of its attempts, for its commit (rank 0; None elsewhere): rows per attempt, and
+        every rank's log-probs of its rows' trained tokens gathered (collective when ``gather``)."""
+        scored: list[Any] = [None] * self.dist.world_size
+        if gather:
+            torch.distributed.gather_object(self._learner_logprobs, scored if self.main else None, dst=0)
+        self._learner_logprobs = {}
+        if not self.main:
+            return None
+        logprobs = {self._origins[index]: values for part in scored if part for index, values in part.items()}
+        return StepRows(counts=dict(self._row_counts), logprobs=logprobs)
+
     def _build_batch(self, claim: StepClaim) -> tuple[list[list[TrainRow]], dict[str, Any]]:
         """Rows of the claimed attempts with advantages, split into mini-batches, each with loss weights
-        normalised over the whole mini-batch (rank 0)."""
+        normalised over the whole mini-batch (rank 0). Where each row comes from and how many rows each attempt
+        gave are kept for the commit (``_step_rows``)."""
         store = self.ledger.store if self.ledger else None
         assert store is not None
         s = self.settings
@@ -412,16 +431,20 @@ class Learner:
         kept: list[Row] = []
         masks: list[np.ndarray] = []
         values: list[float] = []
+        origins: list[tuple[str, int, int]] = []
         forced = 0
         for key, rows in rows_by_key.items():
             if key in adv.advantages:
-                for row in rows:
+                for number, row in enumerate(rows):
                     mask = decision_mask(row.loss_mask, row.rollout_logprobs)
                     forced += row.num_generated - int(mask.sum())
                     if mask.any():
                         kept.append(row)
                         masks.append(mask)
                         values.append(adv.advantages[key])
+                        origins.append((*key, number))
+        self._origins = dict(enumerate(origins))
+        self._row_counts = {key: len(rows) for key, rows in rows_by_key.items()}
         parts: list[list[TrainRow]] = []
         for members in split_mini_batches([(row.rollout_id, row.attempt) for row in kept], s.mini_batches):
             weights = self._weights([masks[i] for i in members], [kept[i] for i in members])
@@ -539,6 +562,11 @@ class Learner:
         mask = torch.ones_like(mb.weights) if not mb.padding else torch.zeros_like(mb.weights)
         # the step's starting log-probs: scored before the first update, or this very forward in the first one
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+        if not mb.padding:  # kept per row for the step's commit: the trace explorer shows them per token
+            owner = mb.token_row.cpu().numpy()
+            scored = old.detach().float().cpu().numpy()
+            for index in np.unique(owner):
+                self._learner_logprobs[int(index)] = scored[owner == index]
         out = policy_loss(logp, mb.rollout_logprobs, mb.advantages, mask, mb.token_row, self.settings.loss,
                           old_logprobs=old, entropy=entropy, weights=mb.weights,
                           acpo_widths=None if acpo_widths is None else acpo_widths.to(logp.device))

@@ -11,6 +11,7 @@ from sqlalchemy import Engine, func, select
 
 from harnessrl.store import NotFound, RolloutState, TraceStore
 from harnessrl.store.schema import LearnerStep, Run
+from harnessrl.trainer.rows import SplitReason
 from harnessrl.ui import queries
 from harnessrl.ui.conversation import conversation
 from harnessrl.ui.token_text import TOKEN_PAGE, load_tokenizer, token_texts
@@ -23,6 +24,15 @@ CURVES = (  # (title, [(series label, step-metric name)]): the run overview's ch
     ("Clip fraction", [("clip frac", "clip_frac")]),
     ("Staleness (policy versions)", [("mean", "staleness_mean"), ("max", "staleness_max")]),
 )
+
+
+SPLIT_NOTES = {  # what each of the row builder's split reasons means for a reader
+    SplitReason.TEMPLATE_DRIFT.value: "the harness re-rendered the model's previous answer differently",
+    SplitReason.NEW_CONVERSATION.value: "the prompt starts with no earlier kept prompt: another conversation, "
+                                        "e.g. a sub-agent",
+    SplitReason.TRUNCATION.value: "the conversation shrank: context was dropped",
+    SplitReason.HISTORY_EDITED.value: "an earlier message was changed",
+}
 
 
 def _need_run(engine: Engine, run: str) -> None:
@@ -102,7 +112,8 @@ def rollout(engine: Engine, run: str, rollout_id: str, query: dict[str, str], to
                  "prev": start - TOKEN_PAGE if start > 0 else None,
                  "next": stop if stop < row.num_tokens else None}
     return {"run": run, "h": header, "calls": conversation(records), "view": view, "shown": shown,
-            "row_index": row_index, "tokenizer": tokenizer is not None, "token_page": TOKEN_PAGE}
+            "row_index": row_index, "tokenizer": tokenizer is not None, "token_page": TOKEN_PAGE,
+            "split_notes": SPLIT_NOTES}
 
 
 def token_spans(row: Any, start: int, stop: int, texts: list[str] | None, advantage: float | None) -> Markup:
@@ -115,6 +126,7 @@ def token_spans(row: Any, start: int, stop: int, texts: list[str] | None, advant
     trained = row.trained[start:stop].tolist()
     generated = row.generated[start:stop].tolist()
     logprobs = row.rollout_logprobs[start:stop].tolist()
+    learner = row.learner_logprobs[start:stop].tolist() if row.learner_logprobs is not None else None
     for offset, token in enumerate(ids):
         pos = start + offset
         if pos in call_at:
@@ -124,14 +136,17 @@ def token_spans(row: Any, start: int, stop: int, texts: list[str] | None, advant
         title = f"position {pos} · token id {token} · {kind}"
         if generated[offset]:
             title += f" · behaviour log-prob {logprobs[offset]:.4f}"
+        if learner is not None and not math.isnan(learner[offset]):
+            title += f" · learner log-prob {learner[offset]:.4f}"
         if trained[offset] and advantage is not None:
             title += f" · advantage {advantage:.4f}"
         allowed = row.constrained.get(pos)
         if allowed:
             title += f" · grammar allowed {allowed} tokens"
         text = texts[offset] if texts is not None else str(token)
+        extra = f' data-learner="{learner[offset]!r}"' if learner is not None and not math.isnan(learner[offset]) else ""
         out.append(f'<span class="tok {kind}{" constrained" if allowed else ""}" data-pos="{pos}" data-id="{token}" '
-                   f'data-trained="{trained[offset]}" title="{title}">{escape(text)}</span>')
+                   f'data-trained="{trained[offset]}"{extra} title="{title}">{escape(text)}</span>')
     return Markup("".join(out))
 
 

@@ -4,11 +4,13 @@ Nothing here decides anything about training: the rows come from the learner's `
 the settings ``LearnerSettings.from_spec`` derives from the run's stored spec, the trained tokens from the
 learner's ``decision_mask`` (forced tokens are context), the constrained positions from its
 ``row_allowed_sets`` and the advantage from ``compute_advantages`` over the rollout's group as the step that
-consumed it saw it (groups are independent, so the group alone gives the step's value). A test compares this
-view with the batch ``Learner._build_batch`` builds for the same step.
+consumed it saw it (groups are independent, so the group alone gives the step's value). Each row says why it
+began (``Row.split_reason``, ``Row.split_at``: the row builder's own split decision). A test compares this view
+with the batch ``Learner._build_batch`` builds for the same step.
 
-What the store does not keep is said, not invented: the learner's own per-token log-probs are not stored (only
-their agreement with the rollout's, per step), so the view shows the step's figures for them.
+The learner's own log-probs are what it computed and stored at that step (``learner_logprobs``, written with the
+step's commit): they cannot be rebuilt later, since the weights that produced them moved on. An attempt consumed
+by a learner before schema revision 0008, or not yet consumed, has none, and the view says so.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import numpy as np
 from sqlalchemy import Engine, select
 
 from harnessrl.store.records import RolloutState
-from harnessrl.store.schema import LearnerStep, Rollout, RolloutAttempt, Run
+from harnessrl.store.schema import LearnerLogprobs, LearnerStep, Rollout, RolloutAttempt, Run
 from harnessrl.store.trace_store import TraceStore
 from harnessrl.trainer.advantages import RolloutOutcome, compute_advantages
 from harnessrl.trainer.learner import LearnerSettings, decision_mask, row_allowed_sets
@@ -38,6 +40,9 @@ class RowView:
     constrained: dict[int, int]  # position -> size of the grammar's allowed set there
     rollout_logprobs: np.ndarray
     spans: list[tuple[str, int, int, int]]  # (call_id, start, end, policy version) of each kept completion
+    split_reason: str | None  # why the row began (None: the attempt's first row)
+    split_at: int | None  # where its prompt leaves the row it split from
+    learner_logprobs: np.ndarray | None  # float32 per position, NaN where not trained; None: not stored
 
     @property
     def num_tokens(self) -> int:
@@ -85,16 +90,19 @@ def training_view(engine: Engine, run: str, rollout_id: str, attempt: int) -> Tr
     built = build_rows(store, settings, rollout_id, attempt)
     rows, stats = built.rows, built.stats
     sets = store.allowed_token_ids(rollout_id, attempt)
+    stored = _stored_learner_logprobs(engine, rollout_id, attempt)
     views = []
     for index, row in enumerate(rows):
         allowed = row_allowed_sets(row, sets) if sets else {}
+        trained = decision_mask(row.loss_mask, row.rollout_logprobs)
         views.append(RowView(
-            index=index, input_ids=row.input_ids, generated=row.loss_mask,
-            trained=decision_mask(row.loss_mask, row.rollout_logprobs),
+            index=index, input_ids=row.input_ids, generated=row.loss_mask, trained=trained,
             constrained={int(p): int(ids.shape[0]) for p, ids in allowed.items()},
             rollout_logprobs=row.rollout_logprobs,
             spans=[(c, s, e, v) for c, (s, e), v in zip(row.call_ids, row.completion_spans, row.policy_versions,
                                                         strict=True)],
+            split_reason=row.split_reason, split_at=row.split_at,
+            learner_logprobs=_placed(trained, stored.get(index)),
         ))
     advantage, note, metrics = _advantage(engine, store, settings, run, rollout_id, attempt, rows)
     shown = {"row mode": settings.row_mode, "max prompt tokens": settings.max_prompt_tokens,
@@ -102,6 +110,24 @@ def training_view(engine: Engine, run: str, rollout_id: str, attempt: int) -> Tr
              "max staleness": settings.advantage.max_staleness,
              "source": "the run's stored spec" if from_spec else "learner defaults (no spec stored)"}
     return TrainingView(views, stats, shown, advantage, note, metrics)
+
+
+def _stored_learner_logprobs(engine: Engine, rollout_id: str, attempt: int) -> dict[int, np.ndarray]:
+    with engine.connect() as conn:
+        found = conn.execute(select(LearnerLogprobs.row_index, LearnerLogprobs.logprobs)
+                             .where(LearnerLogprobs.rollout_id == rollout_id, LearnerLogprobs.attempt == attempt))
+        return {r.row_index: np.frombuffer(r.logprobs, dtype="<f4") for r in found}
+
+
+def _placed(trained: np.ndarray, values: np.ndarray | None) -> np.ndarray | None:
+    """The stored values on the positions the learner trained (its targets: the decision mask past position 0);
+    None when none were stored or they do not fit the row (rows built under other settings than the step's)."""
+    positions = np.flatnonzero(trained[1:]) + 1
+    if values is None or values.shape[0] != positions.shape[0]:
+        return None
+    out = np.full(trained.shape[0], np.nan, dtype=np.float32)
+    out[positions] = values
+    return out
 
 
 def _advantage(engine: Engine, store: TraceStore, settings: LearnerSettings, run: str, rollout_id: str,
