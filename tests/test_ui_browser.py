@@ -4,9 +4,11 @@ steps, with an evaluation each step and harnesses that crash or report no reward
 to show.
 
 Checked: every page renders with no console error (and a screenshot of each is kept: the directory is printed,
-``$HARNESSRL_TEST_ARTIFACTS`` when set); the rollout list's filters, sort and pages give what the store holds;
-the token view's trained/context split and advantage equal the rows ``Learner._build_batch`` builds for the same
-step; unknown runs, rollouts and steps are 404 pages; a store written after the page loaded shows up live.
+``$HARNESSRL_TEST_ARTIFACTS`` when set); the rollout list's filters (rows per rollout among them), sort and pages
+give what the store holds; the token view's trained/context split and advantage equal the rows
+``Learner._build_batch`` builds for the same step, and the learner's own log-probs, stored by the step, sit on
+exactly its trained tokens; unknown runs, rollouts and steps are 404 pages; a store written after the page
+loaded shows up live.
 """
 
 from __future__ import annotations
@@ -252,6 +254,17 @@ def test_rollout_list_filters_sort_and_pages(ui: str, store: TraceStore, page: P
             break
         page.click("#next-page")
     assert sorted(seen) == sorted(a.rollout_id for a in attempts)  # one attempt per rollout in this run
+
+    # rows per rollout: what the learner's row code builds from each consumed attempt, as each step recorded it
+    from harnessrl.ui.training_view import training_view
+
+    page.open(ui + f"/runs/{RUN}/rollouts?rows_min=1&per_page=500")
+    rows = page.tab.locator("#rollouts tbody tr")
+    shown_rows = {rows.nth(i).get_attribute("data-rollout"): int(rows.nth(i).get_attribute("data-rows"))
+                  for i in range(rows.count())}
+    consumed = [a for a in attempts if a.consumed_by_step is not None]
+    built = {a.rollout_id: len(training_view(store.engine, RUN, a.rollout_id, a.attempt).rows) for a in consumed}
+    assert shown_rows == {rollout_id: n for rollout_id, n in built.items() if n >= 1} and shown_rows
     assert page.errors == []
 
 
@@ -300,6 +313,11 @@ def test_token_view_equals_the_learners_rows(ui: str, store: TraceStore, page: P
             assert split.tolist() == row.loss_mask.tolist(), rollout_id  # trained vs context, token by token
             value = float(row.advantages[np.flatnonzero(row.loss_mask)[0]])
             assert float(advantage) == pytest.approx(value, abs=5e-5)
+            # the learner's log-probs, stored by the step, on exactly the tokens it trained (its targets)
+            learner = tokens.evaluate_all("els => els.map(e => e.dataset.learner ?? null)")
+            on = [i for i, value in enumerate(learner) if value is not None]
+            assert on == (np.flatnonzero(row.loss_mask[1:]) + 1).tolist(), rollout_id
+            assert all(np.isfinite(float(learner[i])) and float(learner[i]) <= 0 for i in on)
             trained += 1
     assert trained >= 2
     assert page.errors == []

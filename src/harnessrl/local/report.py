@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import case, func, select
+
 from harnessrl.local.evaluation_report import evaluation_note, evaluation_points, evaluation_table
-from harnessrl.rollout_ids import is_evaluation
-from harnessrl.store import AttemptRecord, RolloutState, TraceStore
+from harnessrl.store import RolloutState, TraceStore
 from harnessrl.store.evaluations import EvaluationResult, evaluation_results
 from harnessrl.store.learner_ledger import LearnerLedger
+from harnessrl.store.schema import TRAIN, LearnerStep, Rollout, RolloutAttempt
 
 RUN_FILE = "run.json"  # in the run directory: which store and run name `harnessrl status` reads
 
@@ -98,41 +99,49 @@ class RunSummary:
 
 
 def summarize(store: TraceStore, run: str) -> RunSummary:
-    attempts = store.list_attempts(run)
+    """The run's figures, aggregated in the database: a few grouped queries over the run's attempts (its
+    (run, consumed_by_step) index), so ``harnessrl status`` and the trace explorer's overview cost the run's
+    steps in Python, not its rollouts (a run's millions of calls never leave the database)."""
     ledger = LearnerLedger(store, run)
-    by_step: dict[int, list[AttemptRecord]] = defaultdict(list)
-    by_version: dict[int, list[float]] = defaultdict(list)
-    for attempt in attempts:
-        if attempt.consumed_by_step is not None:
-            by_step[attempt.consumed_by_step].append(attempt)
-        if attempt.state is RolloutState.SUCCEEDED and attempt.reward is not None and not is_evaluation(
-            attempt.rollout_id
-        ):
-            by_version[attempt.policy_version_start or 0].append(attempt.reward)
-    steps = []
-    for step in sorted(by_step):
-        members = by_step[step]
-        rewards = [a.reward for a in members if a.state is RolloutState.SUCCEEDED and a.reward is not None]
-        mean, std = _mean_std(rewards)
-        steps.append(StepSummary(step, len(members), len(rewards), mean, std, ledger.step_metrics(step) or {}))
-    ended = sorted(a.finished_at.timestamp() for a in attempts if a.finished_at is not None and a.state.terminal)
-    rate = (len(ended) - 1) / (ended[-1] - ended[0]) if len(ended) > 1 and ended[-1] > ended[0] else None
+    rewarded = (RolloutAttempt.state == RolloutState.SUCCEEDED.value) & RolloutAttempt.reward.is_not(None)
+    reward = case((rewarded, RolloutAttempt.reward))  # NULL (left out of sums and counts) unless rewarded
+    with store.engine.connect() as conn:
+        per_step = conn.execute(
+            select(RolloutAttempt.consumed_by_step, func.count(), func.count(reward), func.sum(reward),
+                   func.sum(reward * reward))
+            .where(RolloutAttempt.run == run, RolloutAttempt.consumed_by_step.is_not(None))
+            .group_by(RolloutAttempt.consumed_by_step).order_by(RolloutAttempt.consumed_by_step)).all()
+        metrics = dict(conn.execute(select(LearnerStep.step, LearnerStep.metrics).where(LearnerStep.run == run)).all())
+        version = func.coalesce(RolloutAttempt.policy_version_start, 0)
+        by_version = conn.execute(
+            select(version, func.avg(RolloutAttempt.reward))
+            .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
+            .where(RolloutAttempt.run == run, rewarded, Rollout.kind == TRAIN)
+            .group_by(version).order_by(version)).all()
+        ended, first, last = conn.execute(
+            select(func.count(), func.min(RolloutAttempt.finished_at), func.max(RolloutAttempt.finished_at))
+            .where(RolloutAttempt.run == run, RolloutAttempt.finished_at.is_not(None),
+                   RolloutAttempt.state.in_([s.value for s in RolloutState if s.terminal]))).one()
+    steps = [StepSummary(step, n, k, *_mean_std(k, total, squares), metrics.get(step) or {})
+             for step, n, k, total, squares in per_step]
+    span = (last - first).total_seconds() if ended > 1 else 0.0
     return RunSummary(
         run=run,
         counts=store.count_attempts(run),
         policy_version=ledger.committed_version(),
         steps=steps,
-        rollouts_per_s=rate,
-        reward_by_version={v: sum(r) / len(r) for v, r in sorted(by_version.items())},
+        rollouts_per_s=(ended - 1) / span if span > 0 else None,
+        reward_by_version={int(v): float(mean) for v, mean in by_version},
         evaluation=evaluation_results(store, run),
     )
 
 
-def _mean_std(values: list[float]) -> tuple[float | None, float | None]:
-    if not values:
+def _mean_std(n: int, total: float | None, squares: float | None) -> tuple[float | None, float | None]:
+    """Mean and population standard deviation from a count, sum and sum of squares."""
+    if not n or total is None or squares is None:
         return None, None
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
+    mean = total / n
+    return mean, math.sqrt(max(squares / n - mean * mean, 0.0))
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:

@@ -5,7 +5,12 @@ A signature is four things a person would compare by eye: how the attempt ended 
 error text of its last call when that call failed, the last tool error the harness fed back, and the shape of
 the final answer (finish reason; text, tool calls or nothing). Numbers, hex ids and quoted values are masked, so
 "exit code 3" and "exit code 7" fall into one group ("exit code N") and no id makes a failure unique. Only the
-latest ``SCAN_LIMIT`` such attempts are read (their last call is rebuilt from the store), and the page says so.
+latest ``SCAN_LIMIT`` such attempts are read, and the page says so.
+
+Their last calls are read in one query, as stored: a call stored as a delta keeps the messages it added to its
+base call's, and the last tool message is among them whenever the call added one (a harness feeds a tool result
+back as a new message). Only when it added none, or a failed call's response was stored stripped, is the call
+rebuilt along its chain (``TraceStore.get_call``), so the signature is always that of the full call.
 """
 
 from __future__ import annotations
@@ -15,12 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, func, or_, select
+from sqlalchemy import Engine, func, or_, select, tuple_
 
 from harnessrl.store import TraceStore
 from harnessrl.store.schema import LlmCall, RolloutAttempt
 
-SCAN_LIMIT = 200  # each costs its last call rebuilt along its chain: ~3 ms a 10-call attempt here
+SCAN_LIMIT = 200  # the latest failures grouped
 ERROR_WORDS = re.compile(r"error|exception|traceback|failed|not found|denied|invalid", re.IGNORECASE)
 _MASKS = [(re.compile(r"0x[0-9a-f]+|\b[0-9a-f]{8,}\b", re.IGNORECASE), "X"), (re.compile(r"\d+(\.\d+)?"), "N"),
           (re.compile(r"'[^']*'|\"[^\"]*\""), "'…'"), (re.compile(r"\s+"), " ")]
@@ -46,14 +51,57 @@ class FailureGroup:
     example_error: str = ""
 
 
-def _last_tool_error(messages: list[dict[str, Any]]) -> str:
+def _last_tool_error(messages: list[Any]) -> str | None:
+    """The masked error text of the last tool result among ``messages`` ("" if it reads as no error); None
+    when there is no tool result among them."""
     for message in reversed(messages):
+        if not isinstance(message, dict):
+            continue
         if message.get("role") == "tool" or (message.get("role") == "user" and
                                               str(message.get("content", "")).startswith("tool")):
             content = message.get("content")
             text = content if isinstance(content, str) else str(content)
             return mask(text) if ERROR_WORDS.search(text) else ""
-    return ""
+    return None
+
+
+def _last_calls(engine: Engine, attempts: list[Any]) -> dict[tuple[str, int], Any]:
+    """The last call of each attempt as stored (one grouped query, then one by key: the (rollout, attempt,
+    seq) index answers both)."""
+    if not attempts:
+        return {}
+    ids = sorted({a.rollout_id for a in attempts})
+    wanted = {(a.rollout_id, a.attempt) for a in attempts}
+    with engine.connect() as conn:
+        tops = conn.execute(select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq))
+                            .where(LlmCall.rollout_id.in_(ids)).group_by(LlmCall.rollout_id, LlmCall.attempt)).all()
+        keys = [(r, a, seq) for r, a, seq in tops if (r, a) in wanted]
+        if not keys:
+            return {}
+        rows = conn.execute(select(LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.status,
+                                   LlmCall.http_status, LlmCall.finish_reason, LlmCall.request,
+                                   LlmCall.request_reused, LlmCall.response, LlmCall.response_stripped)
+                            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(keys))).all()
+    return {(r.rollout_id, r.attempt): r for r in rows}
+
+
+def _call_signature(store: TraceStore, row: Any) -> tuple[str, str, str, str]:
+    """(error, tool error, final shape, example error) of a last call, from its stored row where that is the
+    full call's, else from the call rebuilt."""
+    stored_messages = (row.request or {}).get("messages") or []
+    tool_error = _last_tool_error(stored_messages if isinstance(stored_messages, list) else [])
+    failed = row.status != "ok"
+    if (tool_error is None and row.request_reused) or (failed and row.response_stripped):
+        call = store.get_call(row.call_id)
+        request, response = call.request, call.response
+        tool_error = _last_tool_error(request.get("messages") or [])
+    else:
+        response = row.response
+    error = example = ""
+    if failed:
+        example = str((response or {}).get("error") or response or f"HTTP {row.http_status}")
+        error = f"HTTP {row.http_status}: {mask(example, 80)}"
+    return error, tool_error or "", _final_shape(response, row.finish_reason, row.status), example
 
 
 def _final_shape(response: dict[str, Any] | None, finish: str | None, status: str) -> str:
@@ -78,26 +126,13 @@ def failure_groups(engine: Engine, run: str) -> dict[str, Any]:
                    RolloutAttempt.reward, RolloutAttempt.policy_version_start)
             .where(RolloutAttempt.run == run, failing)
             .order_by(RolloutAttempt.created_at.desc()).limit(SCAN_LIMIT)).all()
-        last_calls = {}
-        for a in attempts:
-            last_calls[(a.rollout_id, a.attempt)] = conn.scalar(
-                select(LlmCall.call_id).where(LlmCall.rollout_id == a.rollout_id, LlmCall.attempt == a.attempt)
-                .order_by(LlmCall.seq.desc()).limit(1))
+    last_calls = _last_calls(engine, attempts)
     groups: dict[tuple[str, str, str, str], FailureGroup] = {}
     for a in attempts:
         exit_ = f"{a.state}: {mask(a.reason)}" if a.reason else (
             a.state if a.state != "succeeded" else ("succeeded, no reward" if a.reward is None else "reward 0"))
-        call_id = last_calls[(a.rollout_id, a.attempt)]
-        error = tool_error = ""
-        final = "no call"
-        example = ""
-        if call_id is not None:
-            call = store.get_call(call_id)
-            if call.status.value != "ok":
-                example = str((call.response or {}).get("error") or call.response or f"HTTP {call.http_status}")
-                error = f"HTTP {call.http_status}: {mask(example, 80)}"
-            tool_error = _last_tool_error(call.request.get("messages") or [])
-            final = _final_shape(call.response, call.finish_reason, call.status.value)
+        row = last_calls.get((a.rollout_id, a.attempt))
+        error, tool_error, final, example = _call_signature(store, row) if row is not None else ("", "", "no call", "")
         key = (exit_, error, tool_error, final)
         group = groups.get(key)
         if group is None:

@@ -2,7 +2,7 @@
 
 The rollout list must stay fast with millions of calls, so everything it filters or sorts on is a column of
 ``rollout_attempts`` (or of ``rollouts``, one primary-key join away) behind an index that starts with ``run``
-(migration 0006 adds the ones the list sorts by); calls are counted only for the rows of the page shown.
+(migrations 0007 and 0008 add the ones the list sorts by); calls are counted only for the rows of the page shown.
 Per-step figures are not computed here: the overview reuses ``harnessrl status``'s summary
 (``local.report.summarize``) and ``store.evaluations``, so the UI and the terminal always agree.
 """
@@ -101,11 +101,15 @@ def parse_number(query: dict[str, str], name: str, kind: type = int, low: float 
     return value
 
 
-SORTS = {  # ?sort= name -> column; every one is the second column of an index on (run, ...)
+SORTS = {  # ?sort= name -> column; all but task are the second column of an index on (run, ...)
     "created": RolloutAttempt.created_at,
     "reward": RolloutAttempt.reward,
     "step": RolloutAttempt.consumed_by_step,
     "version": RolloutAttempt.policy_version_start,
+    "rows": RolloutAttempt.train_rows,
+    "state": RolloutAttempt.state,
+    "reason": RolloutAttempt.reason,
+    "task": Rollout.task_id,  # the joined rollout's: sorted, not walked (bench/ui.py measures it)
 }
 
 
@@ -121,6 +125,8 @@ class RolloutFilter:
     reason: str | None = None
     reward_min: float | None = None
     reward_max: float | None = None
+    rows_min: int | None = None  # training rows the learner built from the attempt
+    rows_max: int | None = None
     sort: str = "created"
     order: str = "desc"
     page: int = 1
@@ -145,6 +151,7 @@ class RolloutFilter:
             state=choice("state", [s.value for s in RolloutState]),
             step=number("step", int, 0), version=number("version", int, 0), task=text("task"),
             reason=text("reason"), reward_min=number("reward_min", float), reward_max=number("reward_max", float),
+            rows_min=number("rows_min", int, 0), rows_max=number("rows_max", int, 0),
             sort=choice("sort", list(SORTS), "created") or "created",
             order=choice("order", ["asc", "desc"], "desc") or "desc",
             page=number("page", int, 1) or 1,
@@ -175,6 +182,10 @@ class RolloutFilter:
             clauses.append(RolloutAttempt.reward >= self.reward_min)
         if self.reward_max is not None:
             clauses.append(RolloutAttempt.reward <= self.reward_max)
+        if self.rows_min is not None:
+            clauses.append(RolloutAttempt.train_rows >= self.rows_min)
+        if self.rows_max is not None:
+            clauses.append(RolloutAttempt.train_rows <= self.rows_max)
         return clauses
 
 
@@ -192,6 +203,7 @@ class RolloutListRow:
     step: int | None
     created_at: datetime
     finished_at: datetime | None
+    rows: int | None
     calls: int = 0
 
 
@@ -221,7 +233,7 @@ def rollout_page(engine: Engine, run: str, filt: RolloutFilter) -> RolloutPage:
     query = (_base([RolloutAttempt.rollout_id, RolloutAttempt.attempt, Rollout.kind, Rollout.task_id,
                     Rollout.group_index, RolloutAttempt.state, RolloutAttempt.reason, RolloutAttempt.reward,
                     RolloutAttempt.policy_version_start, RolloutAttempt.consumed_by_step,
-                    RolloutAttempt.created_at, RolloutAttempt.finished_at], run, filt)
+                    RolloutAttempt.created_at, RolloutAttempt.finished_at, RolloutAttempt.train_rows], run, filt)
              .order_by(ordering.nulls_last(), *tiebreak)
              .limit(filt.per_page).offset((filt.page - 1) * filt.per_page))
     with engine.connect() as conn:
@@ -237,7 +249,7 @@ def rollout_page(engine: Engine, run: str, filt: RolloutFilter) -> RolloutPage:
         states = dict(conn.execute(select(RolloutAttempt.state, func.count())
                                    .where(RolloutAttempt.run == run).group_by(RolloutAttempt.state)).all())
     rows = [RolloutListRow(r.rollout_id, r.attempt, r.kind, r.task_id, r.group_index, r.state, r.reason, r.reward,
-                           r.policy_version_start, r.consumed_by_step, r.created_at, r.finished_at,
+                           r.policy_version_start, r.consumed_by_step, r.created_at, r.finished_at, r.train_rows,
                            calls.get((r.rollout_id, r.attempt), 0)) for r in found]
     return RolloutPage(rows, total, filt, states)
 
