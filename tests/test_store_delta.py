@@ -161,3 +161,26 @@ def test_interleaved_conversations_are_each_stored_as_deltas_of_their_own(store:
         assert [s.parent_call_id for s in stored] == [None, None] + [f"{rollout_id}-{i}" for i in range(6)]
         assert all(len(s.prompt_suffix) == 2 for s in stored)  # each stores its observation only
         assert store.read_calls(rollout_id, 0) == records
+
+
+def test_parent_search_skips_calls_longer_than_the_prompt_yet_finds_one_that_fits(store: TraceStore) -> None:
+    """The search for a parent reads only the stored calls short enough to begin a searching prompt (by the
+    longest such prompt per call): two calls of one batch search the same stored calls, a short one (a prompt
+    resent, a compacted history: nothing fits) and a long one that extends the first call, which it finds."""
+    first = {"prompt": [1, 2], "completion": [3, 4]}
+    calls = [
+        first,
+        {"prompt": [9, 9, 9], "completion": [5]},  # another conversation: no extension of the first
+        {"prompt": [9], "completion": [6]},  # shorter than every call before it
+        {"prompt": [1, 2, 3, 4, 7, 7], "completion": [8]},  # extends the first call, three calls back
+    ]
+    for c in calls:
+        c.update(logprobs=[-0.5] * len(c["completion"]), response=None,
+                 request={"messages": [{"role": "user", "content": str(c["prompt"])}]})  # fmt: skip
+    records = as_records("search", calls)
+    store.add_calls(records[:2])
+    store.add_calls(records[2:])  # both search the two stored calls, with different prompt lengths
+    stored = store.rollout_calls("search", 0)
+    assert [s.parent_call_id for s in stored] == [None, None, None, "search-0"]
+    assert [s.prompt_suffix for s in stored] == [[1, 2], [9, 9, 9], [9], [7, 7]]
+    assert store.read_calls("search", 0) == records

@@ -144,8 +144,13 @@ def _parents(
             searching.append(p)
     if not searching:
         return chosen
-    wanted = {k for p in searching for k in _earlier_keys(p) if k not in in_batch and k not in stored}
-    stored.update(_stored_anchors(conn, wanted))
+    longest: dict[Key, int] = {}  # per earlier call, the longest prompt (in tokens) it might begin
+    for p in searching:
+        tokens = len(p.prompt_bytes) // 4
+        for k in _earlier_keys(p):
+            if k not in in_batch and k not in stored and longest.get(k, -1) < tokens:
+                longest[k] = tokens
+    stored.update(_stored_anchors(conn, set(longest), longest))
     for p in searching:
         best, best_len = None, 0
         for key in _earlier_keys(p):
@@ -262,28 +267,39 @@ def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:
 # PostgreSQL statements, built once: building these constructs cost more than running them (~0.6 ms a
 # batch). The keys go as three array parameters, unnested into rows and joined on the (rollout, attempt, seq)
 # index; an IN list of row values cost psycopg milliseconds per query to parse for a full batch.
-_WANTED = (
-    func.unnest(
-        bindparam("rollouts", type_=ARRAY(String)),
-        bindparam("attempts", type_=ARRAY(Integer)),
-        bindparam("seqs", type_=ARRAY(Integer)),
+def _unnested_keys(*extra: str) -> Any:
+    """The keys' array parameters (``rollouts``, ``attempts``, ``seqs``, ``extra`` integer ones) as rows."""
+    arrays = [bindparam(name, type_=ARRAY(Integer)) for name in ("attempts", "seqs", *extra)]
+    return (
+        func.unnest(bindparam("rollouts", type_=ARRAY(String)), *arrays)
+        .table_valued("rollout_id", "attempt", "seq", *extra)
+        .render_derived()
     )
-    .table_valued("rollout_id", "attempt", "seq")
-    .render_derived()
-)
-_AT_KEYS = select(*ANCHOR_COLUMNS, literal(True).label("by_key")).join_from(
-    LlmCall,
-    _WANTED,
-    and_(
-        LlmCall.rollout_id == _WANTED.c.rollout_id,
-        LlmCall.attempt == _WANTED.c.attempt,
-        LlmCall.seq == _WANTED.c.seq,
-    ),
-)
+
+
+def _at(keys: Any, *conditions: Any) -> Any:
+    """Rows of ``llm_calls`` at the unnested ``keys`` (the (rollout, attempt, seq) index)."""
+    return and_(
+        LlmCall.rollout_id == keys.c.rollout_id,
+        LlmCall.attempt == keys.c.attempt,
+        LlmCall.seq == keys.c.seq,
+        *conditions,
+    )
+
+
+_WANTED = _unnested_keys()
+_AT_KEYS = select(*ANCHOR_COLUMNS, literal(True).label("by_key")).join_from(LlmCall, _WANTED, _at(_WANTED))
 _BY_IDS = select(*ANCHOR_COLUMNS, literal(False).label("by_key")).where(
     LlmCall.call_id == any_(bindparam("ids", type_=ARRAY(String)))
 )
 _PG_LOOKUP = union_all(_AT_KEYS, _BY_IDS)
+# The parent search's lookup: the rows short enough to begin the prompt searching them (a fourth array, the
+# longest such prompt per key), so a call that extends none of them costs no row at all: when a harness
+# resends the same prompt, or compacts its history, all of them are longer than its prompt.
+_SEARCHED = _unnested_keys("longest")
+_EXTENDABLE = select(*ANCHOR_COLUMNS).join_from(
+    LlmCall, _SEARCHED, _at(_SEARCHED, LlmCall.context_len <= _SEARCHED.c.longest)
+)
 
 
 def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[str], dict[Key, Anchor]]:
@@ -314,17 +330,28 @@ def _sqlite_existing(conn: Connection, call_ids: list[str]) -> set[str]:
     return found
 
 
-def _stored_anchors(conn: Connection, keys: set[Key]) -> dict[Key, Anchor]:
+def _stored_anchors(
+    conn: Connection, keys: set[Key], longest: dict[Key, int] | None = None
+) -> dict[Key, Anchor]:
+    """The stored rows at ``keys`` as anchors; with ``longest``, only the rows whose prompt + completion is at
+    most that many tokens for their key (only those can begin such a prompt: ``delta.extends``)."""
     if not keys:
         return {}
     if conn.dialect.name == "postgresql":
-        return _anchors(conn.execute(_AT_KEYS, _key_arrays(keys)))
+        if longest is None:
+            return _anchors(conn.execute(_AT_KEYS, _key_arrays(keys)))
+        params = {**_key_arrays(keys), "longest": [longest[k] for k in sorted(keys)]}  # the arrays' order
+        return _anchors(conn.execute(_EXTENDABLE, params))
     rows = []
     for chunk in chunks(sorted(keys)):
         query = select(*ANCHOR_COLUMNS).where(
             tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(list(chunk))
         )
+        if longest is not None:
+            query = query.where(LlmCall.context_len <= max(longest[k] for k in chunk))
         rows.extend(conn.execute(query))
+    if longest is not None:
+        rows = [r for r in rows if r.context_len <= longest[(r.rollout_id, r.attempt, r.seq)]]
     return _anchors(rows)
 
 
