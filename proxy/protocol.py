@@ -215,8 +215,16 @@ def ask_allowed(out: dict[str, Any], body: Mapping[str, Any]) -> bool:
 def allowed_sets(entries: Any) -> list[list[int]] | None:
     """Per chat log-prob entry, the token ids the sampler could draw there: the finite top entries where some
     entry is forbidden (so every legal token is listed), else [] (not all shown). None when the entries carry
-    no top log-probs written as token ids (nothing was asked for)."""
-    if not isinstance(entries, list):
+    no top log-probs written as token ids (nothing was asked for).
+
+    Top log-probs come at every position or at none (as many as the request's ``top_logprobs``, vLLM and OpenAI
+    alike), so entries whose first has none are answered at once: an unconstrained call's 200 entries cost a
+    Python loop otherwise, on every call (~20 us, measured).
+    """
+    if not isinstance(entries, list) or not entries:
+        return None
+    first = entries[0]
+    if isinstance(first, dict) and not first.get("top_logprobs"):
         return None
     out: list[list[int]] = []
     seen = False
