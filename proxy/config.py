@@ -52,7 +52,8 @@ HARNESSRL_QUEUE_SIZE               captured items held in memory before new call
 HARNESSRL_QUEUE_MAX_BYTES          the same bound in estimated bytes (default: ``proxy.queueMaxBytes``'s,
                                    256 MiB)
 HARNESSRL_WRITE_BATCH              most calls per store write (default 256)
-HARNESSRL_WRITE_LINGER_S           how long the writer collects calls before a write (default 0.02)
+HARNESSRL_WRITE_LINGER_S           how long the writer collects calls before a write, unless a reward waits
+                                   or the queue is half full (default 0.1)
 HARNESSRL_SPOOL_PATH               append-only file for items the store could not take (default
                                    ``$TMPDIR/harnessrl-proxy-<port>.spool``; a sidecar mounts an emptyDir)
 HARNESSRL_SPOOL_MAX_BYTES          largest spool file; when full, items wait in memory and new calls wait
@@ -162,7 +163,7 @@ class ProxyConfig(BaseSettings):
     queue_size: int = Field(default=_spec_default(Proxy, "queue_size"), ge=1)
     queue_max_bytes: int = Field(default=_spec_default(Proxy, "queue_max_bytes"), ge=1)
     write_batch: int = Field(default=256, ge=1)
-    write_linger_s: float = Field(default=0.02, ge=0)
+    write_linger_s: float = Field(default=0.1, ge=0)
     spool_path: Path | None = None
     spool_max_bytes: int = Field(default=_spec_default(Proxy, "spool_max_bytes"), ge=1)
     spool_retry_s: float = Field(default=0.2, gt=0)

@@ -270,7 +270,7 @@ class TraceWriter:
         queue_max_bytes: int | None = None,
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
-        linger_s: float = 0.02,
+        linger_s: float = 0.1,
     ) -> None:
         self.store = store
         self.spool = spool
@@ -282,6 +282,10 @@ class TraceWriter:
         self.retry_max_s = retry_max_s
         self.linger_s = linger_s
         self._wake = threading.Event()  # set by flush/close (and a waited-for item) to cut a linger short
+        # ... and by a queue half full (by count or bytes) or holding a batch, so a long linger never makes new
+        # calls wait for room while the writer sleeps.
+        self._wake_items = max(1, min(batch_size, queue_size // 2))
+        self._wake_bytes = self.queue_max_bytes / 2
         self._queue: queue.SimpleQueue[tuple[int, Item]] = queue.SimpleQueue()
         self._epoch = uuid.uuid4().hex  # tells this process's spool lines from an earlier process's
         self._issued = 0  # tickets handed out by put()
@@ -343,8 +347,10 @@ class TraceWriter:
             if on_done is not None:
                 self._waiters[ticket] = on_done
         self._queue.put((ticket, item))
-        if on_done is not None:
-            self._wake.set()  # someone waits for this one: no lingering for a larger batch
+        if on_done is not None:  # someone waits for this one: no lingering for a larger batch
+            self._wake.set()
+        elif self._queue.qsize() >= self._wake_items or self._queued_bytes >= self._wake_bytes:
+            self._wake.set()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything put before this call is in the store; False on timeout (still kept)."""
@@ -394,7 +400,10 @@ class TraceWriter:
         The writer does not block on the queue: a blocked reader is woken by every ``put``, and each wake-up
         makes the event loop's thread hand the GIL over (measured: ~0.3 ms per call under load). Lingering
         lets ``put`` stay a plain append and makes batches larger; capture is delayed by at most ``linger``
-        (``flush``, ``close`` and an item someone waits for cut it short), never the response.
+        (``flush``, ``close``, an item someone waits for and a queue half full cut it short), never the
+        response. Why 0.1 s by default: a write costs ~1.3 ms of the proxy's CPU plus ~0.1 ms per call
+        (PostgreSQL, bench/proxy_overhead.py's calls), so at 1,000 calls/s batches of 20 ms cost 1.5x the
+        CPU per call of batches of 100 ms.
         """
         if self._queue.qsize() < self.batch_size and linger > 0:
             self._wake.wait(linger)

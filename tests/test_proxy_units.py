@@ -425,6 +425,21 @@ def test_the_queue_is_bounded_by_bytes_as_well_as_by_count(sqlite_store: TraceSt
     assert [c.seq for c in sqlite_store.read_calls("r", 0)] == [0, 1, 2]
 
 
+def test_a_half_full_queue_wakes_a_lingering_writer(sqlite_store: TraceStore, tmp_path: Path):
+    """The writer lingers 30 s to batch calls, but a queue half full (here 4 of 8) is written at once, so new
+    calls never wait for room while the writer sleeps; fewer calls wait for the linger."""
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics(), queue_size=8, linger_s=30.0)
+    writer.start()
+    for seq in range(3):
+        writer.put(CallItem(record(seq)))
+    time.sleep(0.5)  # time enough to write them, had anything woken the writer
+    assert len(sqlite_store.read_calls("r", 0)) == 0 and writer.queued == 3
+    writer.put(CallItem(record(3)))
+    wait_until(lambda: len(sqlite_store.read_calls("r", 0)) == 4, "the half-full queue to be written", 10.0)
+    assert writer.has_room() and writer.queued == 0
+    writer.close(5)
+
+
 def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
