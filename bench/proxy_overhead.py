@@ -9,22 +9,34 @@ at ``HARNESSRL_BENCH_PG_URL``, else ``HARNESSRL_TEST_PG_URL``, else the local so
 Printed: p50/p99 latency and throughput, direct and proxied, at concurrency 1 and 64, unary and streamed,
 with the ratios; at concurrency 1, how much of the added latency is the upstream's own work to return token
 ids and log-probs (the same calls sent directly with the fields the proxy adds) and how much is the proxy's;
-CPU milliseconds per call of each process (client, upstream, proxy, PostgreSQL) at concurrency 64, which is
-what bounds throughput when the 2 cores are shared; whether every proxied call was stored; the raw PostgreSQL
-ceiling (COPY of the same rows, already encoded, from one client, into a table like ``llm_calls``, in the
-binary and the text format; the faster counts) and the proxy's capture path (prepare + write, no HTTP) as a fraction of it; the proxy's RSS after 1k and 20k calls.
+CPU milliseconds per call of each process (client, upstream, the process in the middle, PostgreSQL) at
+concurrency 64, which is what bounds throughput when the 2 cores are shared, for four paths taking turns in
+blocks: direct, a bare pass-through (``relay.py``), the proxy, and Agent Lightning 1.0's gateway where a
+Python with ``agentlightning`` is given or found (``--agl-python``, below); whether every proxied
+call was stored; the raw PostgreSQL ceiling (COPY of the same rows, already encoded, from one client, into a
+table like ``llm_calls``, in the binary and the text format; the faster counts) and the proxy's capture path
+(prepare + write, no HTTP) as a fraction of it; the proxy's RSS after 1k and 20k calls. The last line is for
+scripts: ``proxy_cpu_ms_per_call=... passthrough_cpu_ms_per_call=...`` (``agent_lightning_cpu_ms_per_call``
+too when measured).
 
 Targets (issue 3): proxied throughput >= 0.8x direct at concurrency 64; p50 added latency <= 1 ms at
-concurrency 1; every call stored; capture >= 0.7x the COPY ceiling; flat RSS.
+concurrency 1; every call stored; capture >= 0.7x the COPY ceiling; flat RSS. Issue 25: the proxy's CPU per
+call at concurrency 64.
 
     python bench/proxy_overhead.py              # the full run (~20k proxied calls)
     python bench/proxy_overhead.py --quick      # fewer calls, for a smoke run
+
+Agent Lightning 1.0 needs Python >= 3.12; its default place here:
+
+    python3.12 -m venv ~/.cache/harnessrl/agl-1.0.2
+    ~/.cache/harnessrl/agl-1.0.2/bin/pip install agentlightning==1.0.2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import socket
 import subprocess
@@ -85,14 +97,26 @@ class CpuShare:
 
 
 class CpuMeter:
-    def __init__(self, upstream: int, proxy: int) -> None:
-        self.groups = {"client": lambda: [os.getpid()], "upstream": lambda: [upstream],
-                       "proxy": lambda: [proxy], "postgres": postgres_pids}  # fmt: skip
-        self.start = {name: cpu_s(pids()) for name, pids in self.groups.items()}
+    """CPU seconds used by each process of a path (``proxy``: whatever sits between client and upstream)."""
 
-    def per_call(self, calls: int) -> CpuShare:
-        used = {name: cpu_s(pids()) - self.start[name] for name, pids in self.groups.items()}
-        return CpuShare(**{name: seconds / calls * 1e3 for name, seconds in used.items()})
+    def __init__(self, upstream: int, proxy: int | None) -> None:
+        middle = [] if proxy is None else [proxy]
+        self.groups = {"client": lambda: [os.getpid()], "upstream": lambda: [upstream],
+                       "proxy": lambda: middle, "postgres": postgres_pids}  # fmt: skip
+        self.used = dict.fromkeys(self.groups, 0.0)
+        self.calls = 0
+
+    def measure(self) -> dict[str, float]:
+        return {name: cpu_s(pids()) for name, pids in self.groups.items()}
+
+    def add(self, before: dict[str, float], calls: int) -> None:
+        after = self.measure()
+        for name in self.groups:
+            self.used[name] += after[name] - before[name]
+        self.calls += calls
+
+    def per_call(self) -> CpuShare:
+        return CpuShare(**{name: seconds / self.calls * 1e3 for name, seconds in self.used.items()})
 
 
 def rss_mib(pid: int) -> float:
@@ -142,8 +166,10 @@ async def load(
     gateway: bool,
     tag: str,
     extra: dict | None = None,
+    prefix: str = "/rollouts/{rollout}/attempts/0",
 ) -> Result:
-    """``calls`` chat calls from ``concurrency`` workers; each worker is one rollout (gateway path)."""
+    """``calls`` chat calls from ``concurrency`` workers; each worker is one rollout (its gateway path:
+    ``prefix``)."""
     body_template = {
         "model": "m",
         "max_tokens": COMPLETION_TOKENS,
@@ -157,8 +183,8 @@ async def load(
     async with aiohttp.ClientSession(connector=connector) as session:
 
         async def worker(w: int) -> None:
-            prefix = f"/rollouts/{tag}-{w}/attempts/0" if gateway else ""
-            url = f"{base}{prefix}/v1/chat/completions"
+            path = prefix.format(rollout=f"{tag}-{w}") if gateway else ""
+            url = f"{base}{path}/v1/chat/completions"
             for _ in counter:
                 start = time.perf_counter()
                 async with session.post(url, json=body_template) as resp:
@@ -174,6 +200,15 @@ async def load(
         start = time.perf_counter()
         await asyncio.gather(*(worker(w) for w in range(concurrency)))
         return Result(latencies, time.perf_counter() - start)
+
+
+async def flush(proxied: str) -> bool:
+    """Wait until the proxy's captured calls are in the store (``/admin/flush``); whether they are."""
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{proxied}/admin/flush", json={"timeout_s": 600}) as resp,
+    ):
+        return bool((await resp.json())["flushed"])
 
 
 async def upstream_answer(direct: str) -> bytes:
@@ -307,6 +342,7 @@ def start_servers(pg_url: str, tmp: Path) -> tuple[subprocess.Popen, subprocess.
 
 
 C1_BLOCKS = 5
+AGL_PREFIX = "/proxy/rollout/{rollout}/attempt/0/mode/train/openai"  # Agent Lightning 1.0's gateway path
 
 
 async def c1_paths(direct: str, relayed: str, proxied: str, calls: int, stream: bool) -> dict[str, Result]:
@@ -337,9 +373,81 @@ def start_relay(upstream: str) -> tuple[subprocess.Popen, str]:
     return relay, f"http://127.0.0.1:{port}"
 
 
+AGL_PYTHON = Path.home() / ".cache/harnessrl/agl-1.0.2/bin/python"
+
+
+def agl_python(given: str | None) -> str | None:
+    """The Python that has Agent Lightning: ``given``, else this one if it has it, else ``AGL_PYTHON`` if
+    present, else None (not measured)."""
+    if given:
+        return given
+    if importlib.util.find_spec("agentlightning") is not None:
+        return sys.executable
+    return str(AGL_PYTHON) if AGL_PYTHON.exists() else None
+
+
+def start_agl(python: str, tmp: Path) -> tuple[subprocess.Popen, str]:
+    """Agent Lightning 1.0's server (its gateway: an LLM proxy capturing every call into its in-memory store)
+    as its own entry point starts it, with its shipped settings but the address; its log lines (three a call)
+    go to a file."""
+    port = free_port()
+    overrides = ["host=127.0.0.1", f"port={port}", "default_proxy.model_name=m", f"hydra.run.dir={tmp}/agl"]
+    log = (tmp / "agl.log").open("wb")
+    command = [python, "-m", "agentlightning.server", *overrides]
+    agl = subprocess.Popen(command, stdout=log, stderr=log, cwd=tmp)
+    return agl, f"http://127.0.0.1:{port}"
+
+
+async def agl_ready(base: str, upstream: str, rollouts: list[str]) -> None:
+    """Register ``upstream`` as Agent Lightning's model server and create ``rollouts`` (its proxy refuses
+    calls of rollouts it does not know), through its API."""
+    await wait_healthy(f"{base}/healthz", timeout=180)
+    async with aiohttp.ClientSession() as session:
+        for path, body in (
+            ("/api/models", [{"model": "m", "endpoint": f"{upstream}/v1"}]),
+            ("/api/rollouts", [{"input": None, "rollout_id": rollout} for rollout in rollouts]),
+        ):
+            async with session.post(base + path, json=body) as resp:
+                if resp.status != 201:
+                    problem = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    raise RuntimeError(f"Agent Lightning {path}: {problem}")
+
+
+@dataclass
+class CpuPath:
+    """One way to the upstream for ``cpu_paths``: its base URL, the process in the middle (None: direct), the
+    fields the client adds, and its gateway path (None: none)."""
+
+    base: str
+    middle: int | None
+    extra: dict | None = None
+    prefix: str | None = "/rollouts/{rollout}/attempts/0"
+    flush: bool = False  # the harnessrl proxy: its writer's work for a block is counted with the block
+
+
+CPU_BLOCKS = 3
+
+
+async def cpu_paths(paths: dict[str, CpuPath], upstream: int, calls: int) -> dict[str, CpuShare]:
+    """CPU ms per call of each process, at concurrency 64, unary, ``calls`` per path; the paths take turns in
+    ``CPU_BLOCKS`` blocks, so the drift of a shared machine falls on all of them alike."""
+    meters = {name: CpuMeter(upstream, path.middle) for name, path in paths.items()}
+    for block in range(CPU_BLOCKS):
+        for name, path in paths.items():
+            before = meters[name].measure()
+            gateway = path.prefix is not None
+            n = calls // CPU_BLOCKS
+            await load(path.base, n, 64, False, gateway, f"cpu-{name}-{block}", path.extra, path.prefix or "")
+            if path.flush:
+                await flush(path.base)
+            meters[name].add(before, n)
+    return {name: meter.per_call() for name, meter in meters.items()}
+
+
 async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
     upstream, proxy, direct, proxied = start_servers(pg_url, tmp)
     relay, relayed = start_relay(direct)
+    agl = None if args.agl_python is None else start_agl(args.agl_python, tmp)
     sent = 0
     rss: dict[str, float] = {}
     try:
@@ -350,7 +458,6 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         answer = await upstream_answer(direct)
         sent += 50
         rows = []
-        cpu: dict[str, CpuShare] = {}
         await wait_healthy(f"{relayed}/healthz")
         c1 = {s: await c1_paths(direct, relayed, proxied, args.calls_c1, s) for s in (False, True)}
         for stream, paths in c1.items():
@@ -359,31 +466,38 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         plan = [(64, False), (64, True)]
         for concurrency, stream in plan:
             n = args.calls_c64
-            meter = CpuMeter(upstream.pid, proxy.pid)
             d = await load(direct, n, concurrency, stream, False, "d")
-            if (concurrency, stream) == (64, False):
-                cpu["direct"] = meter.per_call(n)
-            meter = CpuMeter(upstream.pid, proxy.pid)
             p = await load(proxied, n, concurrency, stream, True, f"p{concurrency}{int(stream)}")
-            if (concurrency, stream) == (64, False):
-                cpu["proxied"] = meter.per_call(n)
             sent += n
             rows.append((concurrency, stream, d, p))
             if "1k" not in rss and sent >= 1000:
                 rss["1k"] = rss_mib(proxy.pid)
+        # The relay gets the request as the proxy sends it upstream, so the upstream's work and the answer it
+        # relays are the same; Agent Lightning's proxy adds token ids and log-probs itself, as ours does.
+        cpu_plan = {
+            "direct": CpuPath(direct, None, prefix=None),
+            "relay": CpuPath(relayed, relay.pid, CAPTURE_FIELDS),
+            "harnessrl": CpuPath(proxied, proxy.pid, flush=True),
+        }
+        if agl is not None:
+            tags = ["warm", *(f"cpu-agent-lightning-{block}" for block in range(CPU_BLOCKS))]
+            await agl_ready(agl[1], direct, [f"{tag}-{w}" for tag in tags for w in range(64)])
+            await load(agl[1], 50, 8, False, True, "warm", None, AGL_PREFIX)
+            cpu_plan["agent-lightning"] = CpuPath(agl[1], agl[0].pid, None, AGL_PREFIX)
+        cpu = await cpu_paths(cpu_plan, upstream.pid, args.calls_c64)
+        sent += args.calls_c64 // CPU_BLOCKS * CPU_BLOCKS
         soak_start, soak_calls = time.perf_counter(), max(0, args.total - sent)
         soak = await load(proxied, soak_calls, 64, False, True, "soak") if soak_calls else None
         sent += soak_calls
-        async with (
-            aiohttp.ClientSession() as session,
-            session.post(f"{proxied}/admin/flush", json={"timeout_s": 600}) as resp,
-        ):
-            flushed = (await resp.json())["flushed"]
+        flushed = await flush(proxied)
         capture_seconds = time.perf_counter() - soak_start
         rss[f"{sent // 1000}k"] = rss_mib(proxy.pid)
     finally:
         relay.terminate()
         relay.wait()
+        if agl is not None:
+            agl[0].terminate()
+            agl[0].wait(30)
         proxy_rc, _ = await asyncio.to_thread(stop_servers, proxy, upstream)
 
     print(
@@ -416,23 +530,31 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         else:
             split += f"; the proxy itself {p50['proxy'] - p50['fields']:.2f} ms"
         print(split)
-    print("\nCPU ms per call at concurrency 64, unary (capture to PostgreSQL runs after each answer):")
     print(
-        "{:>8} | {:>7} {:>8} {:>7} {:>8} | {:>7}".format(
-            "", "client", "upstream", "proxy", "postgres", "total"
+        f"\nCPU ms per call at concurrency 64, unary, by process (the paths took turns in {CPU_BLOCKS} "
+        "blocks; relay: a bare aiohttp pass-through; harnessrl: the capture proxy, its capture to PostgreSQL "
+        "included; "
+        + (
+            "agent-lightning: Agent Lightning 1.0's gateway as shipped (FastAPI, httpx, three log lines a "
+            "call), capturing into its in-memory store"
+            if "agent-lightning" in cpu
+            else "Agent Lightning not installed (--agl-python)"
         )
+        + "):"
     )
+    columns = ("", "client", "upstream", "proxy", "postgres", "sum")
+    print("{:>15} | {:>7} {:>8} {:>7} {:>8} | {:>7}".format(*columns))
     for name, share in cpu.items():
         parts = (share.client, share.upstream, share.proxy, share.postgres)
-        print("{:>8} | {:>7.3f} {:>8.3f} {:>7.3f} {:>8.3f} | {:>7.3f}".format(name, *parts, sum(parts)))
-    if "direct" in cpu and "proxied" in cpu:
-        d, p = cpu["direct"], cpu["proxied"]
-        base = d.client + d.upstream
-        print(
-            f"with every core busy, throughput goes as 1 / CPU per call: a proxy costing nothing, with the "
-            f"database's measured share, would reach {base / (base + p.postgres):.2f}x direct here; the proxy's "
-            f"own {p.proxy:.3f} ms per call is {p.proxy / base:.1f}x what client and upstream spend together"
-        )
+        print("{:>15} | {:>7.3f} {:>8.3f} {:>7.3f} {:>8.3f} | {:>7.3f}".format(name, *parts, sum(parts)))
+    d, p, r = cpu["direct"], cpu["harnessrl"], cpu["relay"]
+    base = d.client + d.upstream
+    print(
+        f"with every core busy, throughput goes as 1 / CPU per call: a proxy costing nothing, with the "
+        f"database's measured share, would reach {base / (base + p.postgres):.2f}x direct here; the proxy's "
+        f"own {p.proxy:.3f} ms per call is {p.proxy / base:.1f}x what client and upstream spend together and "
+        f"{p.proxy / r.proxy:.1f}x a bare pass-through's {r.proxy:.3f} ms"
+    )
     stored = stored_calls(pg_url)
     print(
         f"\nproxied calls sent: {sent}; stored: {stored} ({'all' if stored == sent else 'MISSING SOME'}); "
@@ -458,13 +580,24 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
             f"{end_to_end:,.0f} calls/s = {end_to_end / ceiling:.2f}x the ceiling"
         )
     print("proxy RSS: " + ", ".join(f"after {k} calls {v:.0f} MiB" for k, v in rss.items()))
+    last = f"proxy_cpu_ms_per_call={p.proxy:.3f} passthrough_cpu_ms_per_call={r.proxy:.3f}"
+    if "agent-lightning" in cpu:
+        last += f" agent_lightning_cpu_ms_per_call={cpu['agent-lightning'].proxy:.3f}"
+    print(last)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer calls (smoke run)")
     add_pg_option(parser)
+    parser.add_argument(
+        "--agl-python",
+        default=os.environ.get("HARNESSRL_BENCH_AGL_PYTHON"),
+        help="a Python with agentlightning installed, to measure its proxy beside ours (default: this one if "
+        f"it has it, else {AGL_PYTHON} if present)",
+    )
     args = parser.parse_args()
+    args.agl_python = agl_python(args.agl_python)
     args.calls_c1, args.calls_c64, args.total, args.copy_rows = (
         (100, 500, 2000, 1000) if args.quick else (500, 3000, 20000, 3000)
     )
