@@ -37,7 +37,10 @@ from harnessrl.operator.render_common import (
     writable_paths,
 )
 from harnessrl.local.vllm_server import CPU_ARGS
-from harnessrl.policy_serving import continuity_flags, is_lora, lora_flags, served_model_name
+from harnessrl.operator.render_learner import checkpoint_dir
+from harnessrl.policy_serving import SERVED_MODEL_NAME, continuity_flags, is_lora, lora_flags, served_model_name
+from harnessrl.proxy.vllm_gate import READY_PATH
+from harnessrl.served_marker import marker_path
 from harnessrl.spec.models import DEFAULT_VLLM_IMAGE, TrainingRun
 
 VLLM_CACHE_ENV = {
@@ -118,7 +121,8 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     Probes: ``/health`` answers as soon as the HTTP server is up, before the weights are loaded, so the
     startup probe asks ``/v1/models`` (served only once the engine is ready) for as long as the operator
     waits for provisioning. Readiness then follows ``/health``; liveness allows a minute of silence, since a
-    large in-place weight reload can keep the engine busy for tens of seconds.
+    large in-place weight reload can keep the engine busy for tens of seconds. Readiness asks the gate's
+    ``/ready``: ``/health`` once the server holds the run's committed version (a restarted one is loaded first).
     """
     spec = run.spec
     _, mounts = claim_volumes(run_claims(run, checkpoints_read_only=True))
@@ -132,7 +136,7 @@ def vllm_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
         "args": vllm_args(run),
         "env": vllm_env(run),
         "startupProbe": _http_probe("/v1/models", PROBE_PERIOD_SECONDS, startup_failures, 5),
-        "readinessProbe": _http_probe("/health", 5, 3, 5),
+        "readinessProbe": _http_probe(READY_PATH, 5, 3, 5),
         "livenessProbe": _http_probe("/health", PROBE_PERIOD_SECONDS, 6, 10),
         "volumeMounts": mounts,
         "securityContext": read_only_root(),
@@ -152,7 +156,17 @@ def gate_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
     """``harnessrl vllm-gate`` in front of vLLM: the image of the run's proxies (``spec.proxy.image``, else the
     operator's), as locked down as the proxy sidecar. Its liveness is its own control port accepting connections;
     the vLLM container's probes pass through its public port, so a gate that stops forwarding takes the replica
-    out of the Services as a failing vLLM would."""
+    out of the Services as a failing vLLM would. It reads the learner's served-version marker on the checkpoint
+    volume (read-only) to bring a restarted vLLM to the committed version."""
+    marker = ["--served-marker", str(marker_path(checkpoint_dir(run)))]
+    if run.spec.learner.checkpoint_volume is None:  # no shared checkpoints, no weight sync to restore
+        marker = []
+    lora = ["--lora-name", SERVED_MODEL_NAME] if is_lora(run.spec) else []
+    checkpoints = [
+        mount for mount in claim_volumes(run_claims(run, checkpoints_read_only=True))[1]
+        if run.spec.learner.checkpoint_volume is not None
+        and mount["mountPath"] == run.spec.learner.checkpoint_volume.mount_path
+    ]
     return {
         "name": GATE_CONTAINER,
         "image": run.spec.proxy.image or config.proxy_image,
@@ -161,6 +175,7 @@ def gate_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
             "--upstream", f"http://127.0.0.1:{naming.VLLM_SERVER_PORT}",
             "--port", str(naming.VLLM_PORT),
             "--control-port", str(naming.VLLM_CONTROL_PORT),
+            *marker, *lora,
         ],  # fmt: skip
         "env": cache_env(),
         "ports": [
@@ -173,7 +188,7 @@ def gate_container(run: TrainingRun, config: OperatorConfig) -> dict[str, Any]:
             "failureThreshold": 3,
         },
         "resources": {"requests": dict(GATE_REQUESTS)},
-        "volumeMounts": writable_paths()[1],
+        "volumeMounts": [*writable_paths()[1], *checkpoints],
         "securityContext": {
             **restricted_security(),
             "runAsUser": GATE_UID,

@@ -561,7 +561,7 @@ def test_vllm_probes_wait_for_the_model_not_the_http_server() -> None:
     startup = server["startupProbe"]
     assert startup["httpGet"]["path"] == "/v1/models" and startup["periodSeconds"] == 10
     assert startup["periodSeconds"] * startup["failureThreshold"] >= CONFIG.provisioning_timeout_seconds
-    assert server["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert server["readinessProbe"]["httpGet"]["path"] == "/ready"  # the gate's: /health once at the run's version
     assert server["livenessProbe"]["httpGet"]["path"] == "/health"
     # through the gate's public port: vLLM listens on loopback, where the kubelet's probes cannot connect
     assert {probe["httpGet"]["port"] for probe in (startup, server["readinessProbe"], server["livenessProbe"])} == {
@@ -648,7 +648,12 @@ def test_vllm_is_reached_only_through_its_gate() -> None:
     assert (args[args.index("--host") + 1], args[args.index("--port") + 1]) == ("127.0.0.1", "8002")
     gate = container(pod, "gate")
     assert gate["command"] == ["harnessrl", "vllm-gate"] and gate["image"] == CONFIG.proxy_image
-    assert gate["args"] == ["--upstream", "http://127.0.0.1:8002", "--port", "8000", "--control-port", "8001"]
+    assert gate["args"][:6] == ["--upstream", "http://127.0.0.1:8002", "--port", "8000", "--control-port", "8001"]
+    # It restores a restarted vLLM from the learner's marker on the checkpoint volume, which it mounts read-only.
+    marker = gate["args"][gate["args"].index("--served-marker") + 1]
+    mounts = {m["mountPath"]: m for m in gate["volumeMounts"]}
+    assert marker == f"{run.spec.learner.checkpoint_dir}/served.json"  # where the learner writes it
+    assert any(marker.startswith(path + "/") and m.get("readOnly") for path, m in mounts.items())
     assert gate["ports"] == [
         {"name": "http", "containerPort": 8000, "protocol": "TCP"},
         {"name": "control", "containerPort": 8001, "protocol": "TCP"},

@@ -24,6 +24,7 @@ import torch
 from proxy_servers import LoopThread, RunningProxy, proxy_config
 from vllm_fixtures import captured_group, proxy_in_front, tiny_model_dir, vllm_server  # noqa: F401 - fixtures
 
+from harnessrl.served_marker import ServedVersion, marker_path, read_marker
 from harnessrl.store import RolloutState, TraceStore
 from harnessrl.store.learner_ledger import LearnerLedger
 from harnessrl.trainer.engine import EngineSettings, PolicyEngine
@@ -159,6 +160,8 @@ def _train_sync_and_check(vllm_server, tiny_model_dir: Path, tmp_path: Path, sto
     assert state["paused"] is False and state["policy_version"] == 1
 
     published = out / "versions" / "v000001"
+    # The learner named the version for replicas that start later (the vLLM gate restores it into them).
+    assert read_marker(marker_path(out)) == ServedVersion(1, str(published), lora=False)
     after = [server_greedy(vllm_server.base_url, vllm_server.model, p) for p in PROBE_PROMPTS]
     assert after != before
     checked = [greedy_agreement(published, prompt, tokens) for prompt, tokens in zip(PROBE_PROMPTS, after)]

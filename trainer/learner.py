@@ -57,6 +57,7 @@ import torch
 
 from harnessrl.policy_serving import SERVED_MODEL_NAME
 from harnessrl.scheduler import versions_to_keep
+from harnessrl.served_marker import ServedVersion, write_marker
 from harnessrl.store import TraceStore
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim, StepRows
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
@@ -509,6 +510,8 @@ class Learner:
         assert self.ledger is not None
         if self.sync is None:
             return False, None
+        # Replicas that start after this sync load the version from the marker (harnessrl.served_marker).
+        write_marker(self.ckpt.root, ServedVersion(version, str(path), self.engine.is_lora))
         report: SyncReport = self.sync.sync(version, path)
         self.metrics.observe_sync(version, report.ok, report.seconds)
         if report.ok:

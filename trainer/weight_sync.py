@@ -38,6 +38,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from harnessrl.policy_serving import label_request, load_request
 from harnessrl.replica_targets import DNS_SCHEME, base_urls, parse_dns_target
 
 log = logging.getLogger(__name__)
@@ -226,19 +227,16 @@ class VllmReplica:
 
     def set_version(self, version: int) -> None:
         """The label ``GET /weight_info`` answers from now on: what a proxy records as the serving version."""
-        body = {"new_version": str(version)}
-        self._check(self.client.post(f"{self.base_url}/update_weight_version", json=body), "update_weight_version")
+        path, body = label_request(version)
+        self._check(self.client.post(f"{self.base_url}{path}", json=body), "update_weight_version")
 
     def served_version(self) -> str | None:
         return self._check(self.client.get(f"{self.base_url}/weight_info"), "weight_info").json()["weight_version"]
 
     def load(self, checkpoint: Path, version: int) -> None:
-        if self.lora_name is None:
-            body = {"method": "reload_weights", "kwargs": {"weights_path": str(checkpoint)}}
-            self._check(self.client.post(f"{self.base_url}/collective_rpc", json=body), "reload_weights")
-        else:
-            body = {"lora_name": self.lora_name, "lora_path": str(checkpoint), "load_inplace": True}
-            self._check(self.client.post(f"{self.base_url}/v1/load_lora_adapter", json=body), "load_lora_adapter")
+        path, body = load_request(str(checkpoint), self.lora_name)
+        what = "reload_weights" if self.lora_name is None else "load_lora_adapter"
+        self._check(self.client.post(f"{self.base_url}{path}", json=body), what)
         # The prefix cache holds keys/values computed by the old weights; a prompt sharing a cached prefix
         # (every agent turn does) would otherwise be served partly by the previous policy. Requests frozen by
         # the pause hold cache blocks, so they are sent back to the queue (their keys/values are recomputed

@@ -15,6 +15,7 @@ adapter version.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from harnessrl.spec.models import TrainingRunSpec
 
@@ -73,3 +74,17 @@ def continuity_flags(args: Sequence[str]) -> list[str]:
         return []
     named = any(arg == flag or arg.startswith(flag + "=") for arg in args for flag in SERVER_PARSER_FLAGS)
     return [SCALE_OUT_FLAG] if named else []
+
+
+def load_request(checkpoint: str, lora_name: str | None) -> tuple[str, dict[str, Any]]:
+    """vLLM's request (path, JSON body) that loads a servable checkpoint in place: full weights
+    (``reload_weights`` through ``collective_rpc``), or the adapter under ``lora_name`` (loaded in place, so
+    requests that name it switch at once). Shared by the learner's sync and the vLLM gate's restore."""
+    if lora_name is None:
+        return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": checkpoint}}
+    return "/v1/load_lora_adapter", {"lora_name": lora_name, "lora_path": checkpoint, "load_inplace": True}
+
+
+def label_request(version: int) -> tuple[str, dict[str, Any]]:
+    """vLLM's request that sets the weight label ``GET /weight_info`` answers: what proxies record calls under."""
+    return "/update_weight_version", {"new_version": str(version)}
