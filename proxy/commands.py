@@ -8,6 +8,7 @@ in that time -- and exits 0. Every flag has an environment variable (``proxy/con
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import signal
@@ -59,7 +60,9 @@ async def _serve(config: ProxyConfig) -> None:
     from .app import CaptureProxy, start_proxy
 
     loop = asyncio.get_running_loop()
-    store = await loop.run_in_executor(None, TraceStore.connect, config.store_url)
+    # Not checked by connecting: a database that is down (restarting, or its DNS name not yet resolvable) must
+    # not stop the proxy, which spools every call until the store answers (_require_schema tolerates it too).
+    store = await loop.run_in_executor(None, functools.partial(TraceStore.connect, config.store_url, check=False))
     try:
         if config.store_upgrade:
             await loop.run_in_executor(None, store.upgrade)

@@ -580,3 +580,42 @@ def test_spool_left_at_shutdown_is_replayed_by_the_next_proxy(loops, upstream, p
     assert [call.request["messages"][0]["content"] for call in calls] == [f"call {i}" for i in range(10)]
     assert store.get_attempt("r-1", 0).reward == 0.5
     assert store.get_attempt("r-1", 0).state is RolloutState.RUNNING
+
+
+@pytest.mark.postgres
+def test_a_proxy_started_while_its_database_is_down_serves_and_stores_everything_later(
+    loops, upstream, pg_store, tmp_path
+):
+    """A harness pod started while the chart's PostgreSQL restarts: its proxy sidecar comes up anyway, answers
+    the harness's calls from the spool, and stores every call once the database is back (it used to exit on
+    its first connection, and the pod crash-looped until the database returned)."""
+    pg_url, store, db = pg_store
+    port = free_port()
+    env = {**os.environ, "HARNESSRL_UPSTREAMS": upstream.url, "HARNESSRL_ROLLOUT_ID": "down-at-start",
+           "HARNESSRL_RUN": "down-run"}
+    db.block()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "harnessrl.cli", "proxy", "--store", pg_url, "--port", str(port),
+         "--spool", str(tmp_path / "spool.jsonl")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _healthy(base) or proc.poll() is not None, 60, "the proxy to start")
+        assert proc.poll() is None, proc.communicate()[0]
+        c = client(f"{base}/v1")
+        for i in range(5):
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"call {i}"}], max_tokens=2)
+        wait_for(lambda: httpx.get(f"{base}/admin/state").json()["spool_pending"] > 0, 30, "calls in the spool")
+        db.unblock()
+        store.engine.dispose()  # the block ended this test's own pooled connections too
+        wait_for(lambda: len(store.read_calls("down-at-start", 0)) == 5, 60, "the spooled calls to be stored")
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        db.unblock()
+    assert proc.returncode == 0, out
+    calls = store.read_calls("down-at-start", 0)
+    assert [call.request["messages"][0]["content"] for call in calls] == [f"call {i}" for i in range(5)]

@@ -112,8 +112,9 @@ def _ping_when_idle(engine: Engine, idle_s: float) -> None:
             raise DisconnectionError(f"stale pooled connection: {first_line(exc)}") from exc
 
 
-def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S) -> Engine:
-    """An engine for ``url``, checked by connecting once so a wrong URL fails here with one clear line."""
+def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S, check: bool = True) -> Engine:
+    """An engine for ``url``, checked by connecting once (unless ``check`` is False) so a wrong URL fails
+    here with one clear line."""
     parsed = parse_url(url)
     options: dict[str, Any] = {"json_serializer": codec.dumps, "json_deserializer": codec.loads}
     if parsed.get_backend_name() == "postgresql":
@@ -129,6 +130,8 @@ def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S) -> Engine:
         event.listen(engine, "begin", _sqlite_on_begin)
     else:
         _ping_when_idle(engine, ping_idle_s)
+    if not check:
+        return engine
     try:
         with engine.connect():
             pass

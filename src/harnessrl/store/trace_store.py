@@ -74,9 +74,11 @@ class TraceStore:
         self._known_attempts: set[tuple[str, int]] = set()
 
     @classmethod
-    def connect(cls, url: str | URL) -> TraceStore:
-        """Open the store at ``url`` (raises ``StoreError`` with one line naming the URL and the fix)."""
-        return cls(open_engine(url))
+    def connect(cls, url: str | URL, *, check: bool = True) -> TraceStore:
+        """Open the store at ``url`` (raises ``StoreError`` with one line naming the URL and the fix).
+        ``check=False`` skips the first connection: a proxy sidecar starts, and spools, while its database is
+        down (a bad URL still fails here)."""
+        return cls(open_engine(url, check=check))
 
     @property
     def engine(self) -> Engine:
