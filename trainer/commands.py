@@ -190,6 +190,7 @@ def _settings_from_flags(*, run: str, steps: int, tasks_per_step: int, group_siz
 
 def _run_learner(settings, store_url: str) -> None:
     from harnessrl.store import StoreError, TraceStore
+    from harnessrl.store.engine import open_engine_waiting
     from harnessrl.store.learner_ledger import CommitRefused
     from harnessrl.trainer.engine import PolicyEngine, init_distributed
     from harnessrl.trainer.learner import Learner
@@ -198,7 +199,10 @@ def _run_learner(settings, store_url: str) -> None:
     store = None
     if int(os.environ.get("RANK", "0")) == 0:  # before the slow engine start, so a wrong URL fails at once
         try:
-            store = TraceStore.connect(store_url)
+            # A database that is (re)starting is waited for, not a reason to exit: every exit of the learner
+            # pod counts against its Job's backoffLimit.
+            say = logging.getLogger(__name__).warning
+            store = TraceStore(open_engine_waiting(store_url, settings.store_outage_s, say))
             store.upgrade()
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None

@@ -54,11 +54,13 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from sqlalchemy.exc import OperationalError
 
 from harnessrl.policy_serving import SERVED_MODEL_NAME
 from harnessrl.scheduler import versions_to_keep
 from harnessrl.served_marker import ServedVersion, write_marker
 from harnessrl.store import TraceStore
+from harnessrl.store.engine import first_line
 from harnessrl.store.learner_ledger import CommitRefused, LearnerLedger, StepClaim, StepRows
 from harnessrl.trainer.advantages import AdvantageConfig, RolloutOutcome, compute_advantages
 from harnessrl.trainer.checkpoint import CheckpointDir, restore_checkpoint, save_checkpoint
@@ -124,6 +126,7 @@ class LearnerSettings:
     sync_timeout_s: float = 600.0  # spec.weightSync.timeoutSeconds: no retry after it, no request longer
     poll_interval_s: float = 2.0
     wait_timeout_s: float | None = None  # stop when no step's worth of rollouts arrives for this long
+    store_outage_s: float = 600.0  # how long the store may not answer while the learner waits for rollouts
     metrics_port: int | None = None
 
     def __post_init__(self) -> None:
@@ -370,13 +373,28 @@ class Learner:
     def _wait_for_claim(self) -> StepClaim | None:
         """Poll the store on rank 0; every poll is one broadcast, so other ranks never hit a collective timeout."""
         deadline = None if self.settings.wait_timeout_s is None else time.monotonic() + self.settings.wait_timeout_s
+        outage_since: float | None = None
         while True:
             claim: StepClaim | None = None
             box: list[str] = ["wait"]
             if self.main:
                 assert self.ledger is not None
-                claim = self.ledger.claim(self.settings.tasks_per_step, self.settings.group_size,
-                                          self.settings.max_attempts)
+                try:
+                    claim = self.ledger.claim(self.settings.tasks_per_step, self.settings.group_size,
+                                              self.settings.max_attempts)
+                    if outage_since is not None:
+                        log.info("the store answers again after %.0f s", time.monotonic() - outage_since)
+                    outage_since = None
+                except OperationalError as exc:
+                    # A database restart (the chart's PostgreSQL pod moved or upgraded): waiting costs nothing,
+                    # while exiting would restart the learner, and restarts use up its Job's backoffLimit.
+                    now = time.monotonic()
+                    if outage_since is None:
+                        outage_since = now
+                        log.warning("the store does not answer (%s): waiting for it, up to %.0f s",
+                                    first_line(exc), self.settings.store_outage_s)
+                    if now - outage_since > self.settings.store_outage_s:
+                        raise
                 if claim is not None:
                     box[0] = "go"
                 elif deadline is not None and time.monotonic() >= deadline:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
-
 import click
 from alembic.util import CommandError
 from sqlalchemy.exc import SQLAlchemyError
 
-from harnessrl.store.engine import StoreError, first_line, open_engine, safe_url
+from harnessrl.store.engine import StoreError, first_line, open_engine, open_engine_waiting, safe_url
 from harnessrl.store.migrate import current_revision, head_revision, upgrade
 
 URL_OPTION = click.option(
@@ -39,7 +37,7 @@ def db_group() -> None:
 def upgrade_command(url: str, wait_s: float) -> None:
     """Apply all migrations (safe to run again, and from several pods at once)."""
     try:
-        engine = _connect(url, wait_s)
+        engine = open_engine_waiting(url, wait_s, lambda line: click.echo(line, err=True))
         try:
             revision = upgrade(engine)
         finally:
@@ -49,23 +47,6 @@ def upgrade_command(url: str, wait_s: float) -> None:
     except (SQLAlchemyError, CommandError) as exc:  # e.g. no CREATE permission, or a revision we do not know
         raise click.ClickException(f"cannot upgrade {safe_url(url)}: {first_line(exc)}") from None
     click.echo(f"{safe_url(url)}: at revision {revision} (head)")
-
-
-def _connect(url: str, wait_s: float):
-    """``open_engine``, retried every 2 s for ``wait_s`` while the server cannot be reached; the last error
-    is the one raised."""
-    deadline = time.monotonic() + wait_s
-    told = False
-    while True:
-        try:
-            return open_engine(url)
-        except StoreError as exc:
-            if not str(exc).startswith("cannot connect") or time.monotonic() + 2 > deadline:
-                raise
-            if not told:
-                click.echo(f"{exc}; retrying for up to {wait_s:.0f} s", err=True)
-                told = True
-            time.sleep(2)
 
 
 @db_group.command("current")

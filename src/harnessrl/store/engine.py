@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event
@@ -139,6 +140,23 @@ def open_engine(url: str | URL, *, ping_idle_s: float = PING_IDLE_S, check: bool
         engine.dispose()
         raise StoreError(f"cannot connect to store {safe_url(parsed)}: {first_line(exc)}") from None
     return engine
+
+
+def open_engine_waiting(url: str | URL, wait_s: float, say: Callable[[str], None]) -> Engine:
+    """:func:`open_engine`, retried every 2 s for ``wait_s`` while the server cannot be reached (a database
+    that is starting or restarting); ``say`` hears once that it waits. The last error is the one raised."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            return open_engine(url)
+        except StoreError as exc:
+            if not str(exc).startswith("cannot connect") or time.monotonic() + 2 > deadline:
+                raise
+            if not told:
+                say(f"{exc}; retrying for up to {wait_s:.0f} s")
+                told = True
+            time.sleep(2)
 
 
 def first_line(exc: BaseException) -> str:
