@@ -59,7 +59,10 @@ def installed(real_cluster: Cluster) -> Cluster:
         [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "install", RELEASE, str(ROOT / "charts" / "harnessrl"),
          "--namespace", SYSTEM, "--wait", "--timeout", "600s",
          "--set", "postgresql.persistence.size=1Gi",
-         "--set", "postgresql.resources.requests.memory=128Mi", "--set", "operator.resources.requests.memory=128Mi"],
+         "--set", "postgresql.resources.requests.memory=128Mi", "--set", "operator.resources.requests.memory=128Mi",
+         # harness pods fill the node's CPU: a deleted PostgreSQL or operator pod must get back before them
+         "--set", "postgresql.priorityClassName=system-cluster-critical",
+         "--set", "operator.priorityClassName=system-cluster-critical"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + diagnose(real_cluster)
