@@ -10,15 +10,19 @@ does the ``clis`` fixture, which is instant once they are there). Each runs head
   rest; Codex: the ``shell_tool`` and ``unified_exec`` features off, read-only sandbox), never with a
   permission-bypass flag;
 * against a vLLM server on the tiny model with a 64k context (Claude Code's prompt is about 29k tokens of the
-  tiny tokenizer, Codex's 23k) and the tool flags, behind a train-mode proxy.
+  tiny tokenizer, Codex's 23k) and the tool flags, behind a train-mode proxy. The server pins every tool's
+  argument schema (``--tool-strict-level parameter``): a forced call's arguments are valid, so the CLIs run
+  the (read-only) tools they are left with, and Claude Code's Agent tool starts real sub-agents.
 
 The random model is steered through the proxy's sampling override, as an RL run on a weak model would be:
 ``STOP`` (a ``logit_bias`` on the stop token: every answer is empty) for a conversation of plain turns, and
-``FORCED`` (``tool_choice`` required, with biases that end the arguments and the answer as soon as the grammar
-allows) for tool calls. The checks are the issue's: every call the CLI made is stored, every completion token
-has a log-prob, one training row per conversation of at most 1.05x its final trajectory's tokens, and the stored
-token ids decode to exactly the tool calls the CLI received (read from the CLI's own transcript). The proxy
-sends its stream keep-alives after 50 ms, so both CLIs are shown to read them.
+``FORCED`` (``tool_choice`` required, with biases that end the arguments' strings, objects and the answer as
+soon as the grammar allows) for tool calls. The checks are the issue's: every call the CLI made is stored,
+every completion token has a log-prob, one training row per conversation (a sub-agent's conversation is one of
+its own) of at most 1.05x its final trajectory's tokens, and the stored token ids decode to exactly the tool
+calls the CLI received (read from the CLI's own transcripts). The proxy sends its stream keep-alives after
+50 ms, so both CLIs are shown to read them; a last test holds both CLIs through a generation longer than their
+stream idle limits.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ pytestmark = [pytest.mark.harness_cli]
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_MAX_MODEL_LEN = 65536
+# Every tool's arguments constrained to its schema, as if it were strict: Claude Code's Agent tool validates
+# its input, which a random model's free JSON never passes.
+CLI_SERVER_ARGS = [*TOOL_SERVER_ARGS, "--tool-strict-level", "parameter"]
 CLI_TIMEOUT_S = 600
 # Claude Code's tools that execute or reach out; what is left reads (Read, Glob, Grep) or plans (Agent, ...).
 CLAUDE_DISALLOWED = "Bash Edit Write NotebookEdit WebFetch WebSearch KillShell BashOutput"
@@ -78,14 +85,15 @@ def cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cli_server(cli_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A tool server (hermes parser, render/generate/derender) with a 64k context; ``HARNESSRL_TEST_VLLM_CLI_URL``
-    points at one already running (the tiny model with 65536 positions, seed 0, served as "tiny")."""
+    """A tool server (hermes parser, render/generate/derender, strict arguments) with a 64k context;
+    ``HARNESSRL_TEST_VLLM_CLI_URL`` points at one already running (the tiny model with 65536 positions, seed 0,
+    served as "tiny", ``CLI_SERVER_ARGS``)."""
     external = os.environ.get("HARNESSRL_TEST_VLLM_CLI_URL")
     if external:
         yield VllmServer(external.rstrip("/"), "tiny", cli_model, None)
         return
     server = start_vllm(cli_model, tmp_path_factory.mktemp("cli-vllm") / "vllm.log", served_name="tiny",
-                        max_model_len=CLI_MAX_MODEL_LEN, extra_args=TOOL_SERVER_ARGS, timeout_s=VLLM_START_TIMEOUT_S,
+                        max_model_len=CLI_MAX_MODEL_LEN, extra_args=CLI_SERVER_ARGS, timeout_s=VLLM_START_TIMEOUT_S,
                         cpu=True)
     try:
         yield server
@@ -102,11 +110,26 @@ def tokenizer(cli_model: Path):
 
 def steering(tokenizer) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sampling overrides: ``STOP`` ends every answer at once; ``FORCED`` forces a tool call whose arguments
-    (any JSON: the CLIs' tools are not strict) end as soon as the grammar allows, and the answer after it."""
+    (valid for the tool's schema: the server pins them) end each string, number, array and object as soon as
+    the grammar allows, and the answer after it (a string's end weighs most: inside a string ``0``, ``]`` and
+    ``}`` are allowed too, and would make it ``"}0"``)."""
     stop = str(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    ends = {str(tokenizer.encode(text)[0]): 100 for text in ("0", "}")}
+    ends = {str(tokenizer.encode(text)[0]): weight for text, weight in (("0", 90), ("]", 90), ("}", 90), ('"', 100))}
     return ({"temperature": 1.0, "logit_bias": {stop: 100}},
             {"temperature": 1.0, "tool_choice": "required", "logit_bias": {stop: 100, **ends}})
+
+
+def agent_first(tokenizer) -> dict[str, Any]:
+    """``FORCED``, and the tokens that begin a name with "A" weighted (less than the ends), so that a forced call
+    is to the Agent tool wherever the tools offer it (of Agent and Read, the names part at their first letter;
+    checked offline on the server's grammar for Claude Code's tools with random logits: Agent every time, its
+    input ``{"description": "", "prompt": ""}``)."""
+    _, forced = steering(tokenizer)
+    bias = dict(forced["logit_bias"])
+    for token_id in range(len(tokenizer)):
+        if tokenizer.decode([token_id]).lstrip(' ":{').startswith("A"):
+            bias.setdefault(str(token_id), 50)
+    return {**forced, "logit_bias": bias}
 
 
 @dataclass
@@ -170,9 +193,10 @@ def metrics(proxy: Any) -> str:
     return httpx.get(f"{proxy.url}/metrics", timeout=30).text
 
 
-def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str) -> list[Any]:
+def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str, conversations: int = 1) -> list[Any]:
     """Every call the proxy answered is stored, none refused; every completed call has a log-prob per token;
-    the completed calls are one training row of at most 1.05x the final trajectory. Returns the completed calls."""
+    the completed calls are ``conversations`` training rows, each of at most 1.05x its final trajectory. Returns
+    the completed calls."""
     proxy.flush(120)
     text = metrics(proxy)
     calls = store.read_calls(rollout, 0)
@@ -188,10 +212,17 @@ def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str) -> 
     assert [c.route for c in done] == [route] * len(done)
     assert all(len(c.logprobs) == len(c.completion_token_ids) > 0 for c in done)
     result = merge_calls_into_rows(store.rollout_calls(rollout, 0))
-    assert len(result.rows) == 1 and result.stats.kept_calls == len(done)
-    final = len(done[-1].prompt_token_ids) + len(done[-1].completion_token_ids)
-    assert result.stats.row_tokens / final <= 1.05
+    assert len(result.rows) == conversations and result.stats.kept_calls == len(done), result.stats
+    by_id = {c.call_id: c for c in done}
+    for row in result.rows:
+        last = by_id[row.call_ids[-1]]
+        assert row.num_tokens / (len(last.prompt_token_ids) + len(last.completion_token_ids)) <= 1.05
     return done
+
+
+def rows_of(store: TraceStore, rollout: str) -> list[tuple[str, ...]]:
+    """The call ids of each training row of the rollout."""
+    return [row.call_ids for row in merge_calls_into_rows(store.rollout_calls(rollout, 0)).rows]
 
 
 def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
@@ -205,11 +236,11 @@ def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
 # ----------------------------------------------------------------------------------------------------- Codex
 
 
-def codex_sandbox(clis: dict[str, Path], sandboxes: list[Sandbox], proxy: Any, rollout: str, provider: str = ""
-                  ) -> tuple[Sandbox, dict[str, str]]:
+def codex_sandbox(clis: dict[str, Path], sandboxes: list[Sandbox], proxy: Any, rollout: str, provider: str = "",
+                  features: str = "") -> tuple[Sandbox, dict[str, str]]:
     """A sandbox for Codex and its environment: its config names the proxy as a Responses provider for
-    ``rollout`` (``provider``: more of its settings, TOML lines), its tools that execute are off, its sandbox
-    read-only, approvals never asked."""
+    ``rollout`` (``provider``: more of its settings, TOML lines), its tools that execute are off (``features``:
+    more feature lines), its sandbox read-only, approvals never asked."""
     box = Sandbox.create(clis["codex"])
     sandboxes.append(box)
     base_url = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
@@ -228,6 +259,7 @@ env_key = "HARNESSRL_API_KEY"
 [features]
 shell_tool = false
 unified_exec = false
+{features}
 """)
     if os.geteuid() == 0:
         subprocess.run(["chown", "-R", "nobody:nogroup", str(config.parent)], check=True)
@@ -256,11 +288,13 @@ def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_
 
 @pytest.mark.vllm
 def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_server, tokenizer, tmp_path, sandboxes):
-    """Tool calls forced on every turn: Codex runs its tools (they fail on the random arguments) and goes on for
-    ever, so it is stopped after a few calls. Each stored completion spells the function call Codex recorded."""
+    """Tool calls forced on every turn: Codex runs its tools and goes on for ever, so it is stopped after a few
+    calls. Each stored completion spells the function call Codex recorded. Its sub-agents (multi_agent) and goals
+    are off: with valid arguments the random model would start sub-agents, which this conversation of one row
+    is not about."""
     _, forced = steering(tokenizer)
     with proxy_in_front(cli_server, tmp_path, "codex", forced, **KEEPALIVE) as (store, proxy):
-        box, env = codex_sandbox(clis, sandboxes, proxy, "codex-tools")
+        box, env = codex_sandbox(clis, sandboxes, proxy, "codex-tools", features="multi_agent = false\ngoals = false")
         process = box.start("codex", ["exec", "--skip-git-repo-check", TASK], env)
         try:
             deadline = time.monotonic() + CLI_TIMEOUT_S
@@ -284,21 +318,35 @@ def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_se
 
 
 def claude_env(base_url: str) -> dict[str, str]:
+    """Claude Code's environment: the proxy, no traffic elsewhere, and every tool in the prompt from the start
+    (no ToolSearch and its placeholder tool, which a forced call could name)."""
     return {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": "unused", "DISABLE_TELEMETRY": "1",
-            "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1"}
+            "DISABLE_ERROR_REPORTING": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+            "ENABLE_TOOL_SEARCH": "false"}
+
+
+def assistant_messages(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The content blocks of each assistant message of a Claude Code transcript, by message id, in order."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        item = json.loads(line) if line.strip() else {}
+        if item.get("type") == "assistant":
+            out.setdefault(item["message"]["id"], []).extend(item["message"]["content"])
+    return out
 
 
 @pytest.mark.vllm
 def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
     """``claude -p`` with tool calls forced for 3 turns (``--max-turns``), then ``--continue`` for 2 more: one row,
-    every completion spelling the tool_use Claude Code recorded, its input as generated (the random arguments are
-    no object: ``{"_raw": ...}``), and usage.input_tokens the prompt's length."""
+    every completion spelling the tool_use Claude Code recorded, its input as generated, and usage.input_tokens
+    the prompt's length. Its tools are Read, Glob and Grep (the Agent tool starts sub-agents: the next test)."""
     _, forced = steering(tokenizer)
     with proxy_in_front(cli_server, tmp_path, "claude", forced, **KEEPALIVE) as (store, proxy):
         box = Sandbox.create(clis["claude"])
         sandboxes.append(box)
         env = claude_env(f"{proxy.url}/rollouts/claude-tools/attempts/0")
-        common = ["--model", "tiny", "--disallowedTools", CLAUDE_DISALLOWED, "--output-format", "json"]
+        common = ["--model", "tiny", "--tools", "Read,Glob,Grep", "--disallowedTools", CLAUDE_DISALLOWED,
+                  "--output-format", "json"]
         for args in (["-p", TASK, "--max-turns", "3"], ["-p", "--continue", "go on", "--max-turns", "2"]):
             run = box.run("claude", [*args, *common], env)
             result = json.loads(run.stdout.strip().splitlines()[-1])
@@ -312,6 +360,58 @@ def test_claude_code_forced_tool_calls_and_continue_are_one_row(clis, cli_server
             arguments = json.loads(got["input"]["_raw"]) if set(got["input"]) == {"_raw"} else got["input"]
             assert sampled_call(tokenizer, call) == {"name": got["name"], "arguments": arguments}
             assert call.response["usage"]["input_tokens"] == len(call.prompt_token_ids)
+
+
+# A sub-agent that reads: Claude Code's general-purpose agent redefined (a user agent of the same name wins over
+# the built-in one) with only Read and a turn limit, so that each sub-conversation is two calls.
+GENERAL_PURPOSE = """---
+name: general-purpose
+description: Reads files for the task it is given.
+tools: Read
+maxTurns: 2
+---
+Read the files the task names.
+"""
+
+
+@pytest.mark.vllm
+def test_claude_code_subagents_are_rows_of_their_own(clis, cli_server, tokenizer, tmp_path, sandboxes):
+    """Claude Code's Agent tool: the model calls it on both of its turns (``agent_first``; its tools are Agent and
+    Read), each call runs a sub-agent (in the foreground: CLAUDE_CODE_DISABLE_BACKGROUND_TASKS) whose own
+    conversation, its prompt and tools its own, makes two forced Read calls in the same rollout. The rollout's
+    calls are three training rows, and each row is exactly the calls of one of Claude Code's transcripts (the
+    session's and one per sub-agent), matched by the message ids Claude Code recorded; every completion spells
+    the tool call that transcript recorded."""
+    with proxy_in_front(cli_server, tmp_path, "claude", agent_first(tokenizer), **KEEPALIVE) as (store, proxy):
+        box = Sandbox.create(clis["claude"])
+        sandboxes.append(box)
+        agents = box.home / ".claude" / "agents"
+        agents.mkdir(parents=True)
+        (agents / "general-purpose.md").write_text(GENERAL_PURPOSE)
+        if os.geteuid() == 0:
+            subprocess.run(["chown", "-R", "nobody:nogroup", str(box.home / ".claude")], check=True)
+        env = {**claude_env(f"{proxy.url}/rollouts/claude-agents/attempts/0"),
+               "CLAUDE_CODE_DISABLE_BACKGROUND_TASKS": "1"}
+        run = box.run("claude", ["-p", TASK, "--model", "tiny", "--tools", "Agent,Read", "--max-turns", "2",
+                                 "--output-format", "json"], env)
+        result = json.loads(run.stdout.strip().splitlines()[-1])
+        assert result["subtype"] == "error_max_turns", run.stdout[-3000:] + run.stderr[-2000:]
+        assert result["subagent_stats"]["completed"] == 2, result["subagent_stats"]
+        done = check_trainable(proxy, store, "claude-agents", "messages", conversations=3)
+        projects = box.home / ".claude" / "projects"
+        transcripts = [assistant_messages(path) for path in sorted(projects.rglob("*.jsonl"))]
+        assert sorted(len(t) for t in transcripts) == [2, 2, 2]  # the session, two sub-agents
+        call_of = {c.response["id"]: c for c in done}
+        assert len(call_of) == len(done) == 6
+        conversations = sorted(tuple(call_of[i].call_id for i in t) for t in transcripts)
+        assert conversations == sorted(rows_of(store, "claude-agents"))
+        for transcript in transcripts:
+            for message_id, blocks in transcript.items():
+                [got] = [b for b in blocks if b.get("type") == "tool_use"]
+                assert sampled_call(tokenizer, call_of[message_id]) == {"name": got["name"], "arguments": got["input"]}
+        names = sorted([b["name"] for blocks in t.values() for b in blocks if b.get("type") == "tool_use"]
+                       for t in transcripts)
+        assert names == [["Agent", "Agent"], ["Read", "Read"], ["Read", "Read"]]
 
 
 # -------------------------------------------------------------------------------------- a slow generation
