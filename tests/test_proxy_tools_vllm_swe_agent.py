@@ -1,5 +1,5 @@
 """The coding example's harness on the real vLLM: mini-swe-agent, unchanged (``scripts/swe-agent.sh`` installs it
-in its own environment), through a train-mode capture proxy on the tiny model with the tool flags, its bash
+in its own environment), through a train-mode capture proxy on the tiny model with the tool flags,
 then the verifier on the tree it left.
 
 The random model is steered as in the CLI tests, through the proxy's sampling override: ``tool_choice``
