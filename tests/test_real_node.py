@@ -210,9 +210,12 @@ GATED = "gated"
 
 def status_line(cluster: Cluster, namespace: str, client: str, address: str, port: int, method: str, path: str
                 ) -> str:
-    """The status line of ``method path`` from ``client`` to address:port, "" when no connection is made."""
+    """The status line of ``method path`` from ``client`` to address:port, "" when no connection is made.
+
+    The request's side stays open for 2 s: nc half-closes the connection when its input ends, and an aiohttp
+    server (the gate) takes that as the client gone and closes before it answers a forwarded request."""
     head = f"{method} {path} HTTP/1.0\\r\\nContent-Length: 0\\r\\n\\r\\n"
-    request = f"printf '{head}' | /bin/busybox nc -w 3 {address} {port} | head -n 1"
+    request = f"(printf '{head}'; sleep 2) | /bin/busybox nc -w 3 {address} {port} | head -n 1"
     result = cluster.kubectl("exec", "-n", namespace, client, "--", "/bin/busybox", "sh", "-c", request, check=False)
     return result.stdout.strip()
 
@@ -241,6 +244,9 @@ def test_only_the_learner_reaches_the_vllm_control_port(real_cluster: Cluster, r
     def ask(client: str, port: int, method: str, path: str) -> str:
         return status_line(real_cluster, real_namespace, client, address, port, method, path)
 
+    # the pod is Ready before the gate's Python has started (the gate has no readiness probe of its own: the
+    # vLLM container's readiness asks it), which takes seconds on a loaded machine
+    wait_for("the gate to answer", lambda: ask("harness", naming.VLLM_PORT, "GET", "/health") != "", timeout=60, every=1)
     # before any policy: the gate alone keeps control paths off the public port, and vLLM off the network
     assert " 200" in ask("harness", naming.VLLM_PORT, "GET", "/health")
     assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/pause")
@@ -267,6 +273,6 @@ def test_only_the_learner_reaches_the_vllm_control_port(real_cluster: Cluster, r
         observed.update({key: served(ask(*key)) for key in expected})
         return observed == expected
 
-    wait_for(f"the policy to be enforced (expected {expected}, observed {observed})", settled, timeout=30, every=1)
+    wait_for(f"the policy to be enforced (expected {expected}, observed {observed})", settled, timeout=60, every=1)
     assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/collective_rpc")
     assert " 403" in ask("harness", naming.VLLM_PORT, "POST", "/v1/load_lora_adapter")
