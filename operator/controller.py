@@ -19,7 +19,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harnessrl.operator import naming
@@ -28,7 +28,7 @@ from harnessrl.operator.metrics import OperatorMetrics
 from harnessrl.operator.naming import RUN_LABEL
 from harnessrl.operator.pods import PodApi, PodBackend, PodView
 from harnessrl.operator.render_secret import render_reward_secret
-from harnessrl.operator.status import Observed, epoch, now_iso, unavailable_since
+from harnessrl.operator.status import LearnerJobRecord, Observed, epoch, now_iso, unavailable_since
 from harnessrl.operator.workload_pods import WorkloadPod, kubelet_reason, workload_problem
 from harnessrl.policy_serving import is_lora
 from harnessrl.scheduler import Launch, RolloutScheduler, SchedulerSettings
@@ -148,6 +148,19 @@ class Apis:
                 raise
         return released
 
+    def delete_job(self, namespace: str, name: str) -> None:
+        """Delete a Job and, in the background, its pods (gone already: they failed)."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            client.BatchV1Api(self.core.api_client).delete_namespaced_job(
+                name, namespace, body={"propagationPolicy": "Background"}
+            )
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+
     def delete_pods(self, namespace: str, label_selector: str) -> None:
         self.core.delete_collection_namespaced_pod(
             namespace, label_selector=label_selector, grace_period_seconds=10
@@ -241,6 +254,8 @@ class RunController:
         self.scheduler: RolloutScheduler | None = None
         self.applied_generation: int | None = None
         self.claim_checked: tuple[int, tuple[bool, str, str] | None] | None = None  # (generation, finding)
+        self.learner_job: LearnerJobRecord | None = None  # status.learner, read from the run's status once
+        self.retired_jobs: set[str] = set()  # learner Jobs deleted to be recreated, while the watch still shows them
         self.wake = threading.Event()  # set by the watch when a pod ends: reconcile now, not at the interval
 
     # --- one pass -------------------------------------------------------------------------------------------
@@ -255,6 +270,8 @@ class RunController:
             self.run = parse_training_run({k: v for k, v in body.items() if k != "status"}, cluster=True)
         except InvalidSpec as invalid:
             return self._fail(observed, Reason.INVALID_SPEC, "; ".join(str(p) for p in invalid.problems))
+        if self.learner_job is None:
+            self.learner_job = LearnerJobRecord.from_status(status.get("learner"))
         try:
             self._connect_store(observed)
             self._apply_children(generation)
@@ -268,6 +285,8 @@ class RunController:
             if self.store is None:
                 observed.store_ready, observed.store_message = False, str(problem)
             observed.phase, observed.reason, observed.message = Phase.PENDING, problem.reason, str(problem)
+        finally:
+            observed.learner_job = self.learner_job
         return observed
 
     def stop(self, reason: str) -> None:
@@ -370,8 +389,16 @@ class RunController:
             "volume — put the tasks in a ConfigMap (tasks.configMap) or inline",
         )
 
-    def _apply_children(self, generation: int) -> None:
+    def _workloads(self) -> Workloads:
+        """What the watch says, less a learner Job this controller deleted to recreate (the watch shows it
+        until its deletion event arrives)."""
         loads = self.workloads()
+        if loads.job is not None and (loads.job.get("metadata") or {}).get("uid") in self.retired_jobs:
+            loads = replace(loads, job=None)
+        return loads
+
+    def _apply_children(self, generation: int) -> None:
+        loads = self._workloads()
         wants_rollout = self.run.spec.rollout.upstreams is None
         missing = loads.job is None or (wants_rollout and loads.deployment is None)
         if generation == self.applied_generation and not missing:
@@ -447,7 +474,7 @@ class RunController:
         observed.checkpoints_shared = finding
 
     def _observe_workloads(self, observed: Observed) -> None:
-        loads = self.workloads()
+        loads = self._workloads()
         spec = self.run.spec
         if spec.rollout.upstreams is not None:
             observed.rollout_ready, observed.rollout_message = (
@@ -468,14 +495,11 @@ class RunController:
         conditions = {
             c.get("type"): c for c in job_status.get("conditions") or [] if c.get("status") == "True"
         }
+        if loads.job is not None:
+            self._track_learner_job(loads.job)
         if "Failed" in conditions:
-            failed = conditions["Failed"]
-            raise RunProblem(
-                Reason.LEARNER_CRASHED,
-                f"the learner Job failed beyond its backoff "
-                f"({failed.get('reason')}: {failed.get('message')}) — see `kubectl logs "
-                f"job/{self.name}-learner`",
-            )
+            self._recreate_learner_job(conditions["Failed"], observed)
+            return
         # Ready, not active: a Pending pod is active. The learner has no readiness probe, so a ready pod is one
         # whose containers run.
         ready = int(job_status.get("ready") or 0)
@@ -489,6 +513,40 @@ class RunController:
         observed.learner_kubelet_reason = kubelet_reason(loads.pods, naming.LEARNER) if loads.job else None
         if observed.learner_problem is not None:
             observed.learner_message += f"; {observed.learner_problem[1]}"
+
+    def _track_learner_job(self, job: dict[str, Any]) -> None:
+        """A learner Job seen for the first time (created now, recreated, or one an earlier operator made)
+        counts its progress from the step committed now."""
+        uid = (job.get("metadata") or {}).get("uid")
+        if uid and self.learner_job.job_uid != uid:
+            step = LearnerLedger(self.store, self.name).committed_step()
+            self.learner_job = replace(self.learner_job, job_uid=uid, since_step=step)
+
+    def _recreate_learner_job(self, failed: dict[str, Any], observed: Observed) -> None:
+        """The learner Job failed past its ``backoffLimit``. If it committed steps since it was created, its
+        failures were incidents of a long run (a node lost, a pod killed, a store restart), each resumed from
+        the newest checkpoint: the Job is deleted and recreated with a fresh backoffLimit, so such incidents
+        never add up to a lifetime limit. A Job that fails again and again without committing a step is not
+        transient: the run fails (LearnerCrashed), releasing its accelerators."""
+        record = self.learner_job
+        said = f"{failed.get('reason')}: {failed.get('message')}"
+        step = LearnerLedger(self.store, self.name).committed_step()
+        since = record.since_step if record.since_step is not None else step
+        if failed.get("reason") != "BackoffLimitExceeded" or step <= since:
+            raise RunProblem(
+                Reason.LEARNER_CRASHED,
+                f"the learner Job failed beyond its backoff ({said}) without committing a step since it started "
+                f"(at step {since}) — see `kubectl logs job/{naming.learner_name(self.name)}` and "
+                f"`kubectl describe pods -l {RUN_LABEL}={self.name},{naming.COMPONENT_LABEL}={naming.LEARNER}`",
+            )
+        self.apis.delete_job(self.namespace, naming.learner_name(self.name))
+        self.retired_jobs.add(record.job_uid or "")
+        self.learner_job = LearnerJobRecord(restarts=record.restarts + 1, job_uid=None, since_step=step)
+        observed.learner_ready = False
+        observed.learner_message = (
+            f"the learner Job failed ({said}) after committing steps {since + 1}-{step}: recreated, it resumes "
+            f"from step {step}'s checkpoint (restart {record.restarts + 1})"
+        )
 
     def _progress(self, observed: Observed, status: dict[str, Any]) -> None:
         spec = self.run.spec

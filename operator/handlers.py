@@ -85,8 +85,9 @@ def rollout_deployments(body: kopf.Body, namespace: str, labels: dict[str, str],
 
 
 @kopf.index("jobs", labels={COMPONENT_LABEL: LEARNER, RUN_LABEL: kopf.PRESENT})
-def learner_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], **_: Any) -> Any:
-    return {(namespace, _run_of(labels)): {"status": dict(body.get("status") or {})}}
+def learner_jobs(body: kopf.Body, namespace: str, labels: dict[str, str], uid: str, **_: Any) -> Any:
+    # the uid tells a recreated Job from the one it replaces (RunController._recreate_learner_job)
+    return {(namespace, _run_of(labels)): {"metadata": {"uid": uid}, "status": dict(body.get("status") or {})}}
 
 
 def _informer(namespace: str) -> PodInformer:
@@ -203,6 +204,7 @@ def run_daemon(
         _controllers[key] = controller
     before = body.get("status") or {}
     last = (before.get("phase"), before.get("reason"))
+    restarts = int((before.get("learner") or {}).get("restarts") or 0)
     writer = StatusWriter(
         lambda status: _state["apis"].patch_status(namespace, name, status),
         on_error=lambda: METRICS.errors.labels(*key).inc(),
@@ -230,6 +232,9 @@ def run_daemon(
             if (status["phase"], status["reason"]) != last:
                 _post_phase_event(current, status)
                 last = (status["phase"], status["reason"])
+            if int((status.get("learner") or {}).get("restarts") or 0) > restarts:
+                restarts = status["learner"]["restarts"]
+                kopf.warn(current, reason="LearnerRestarted", message=observed.learner_message[:1024])
             if final:
                 _release_accelerators(controller, current)
                 _clean_up_after_ttl(controller, status, stopped)

@@ -43,6 +43,25 @@ class Observed:
     evaluation: list[EvaluationResult] = field(default_factory=list)  # per evaluated version (spec.evaluation)
     start_time: str | None = None
     completion_time: str | None = None
+    learner_job: LearnerJobRecord | None = None  # status.learner: the operator's count of learner Job restarts
+
+
+@dataclass(frozen=True)
+class LearnerJobRecord:
+    """``status.learner``: kept in the run's status so a restarted operator counts on from it."""
+
+    restarts: int = 0
+    job_uid: str | None = None
+    since_step: int | None = None
+
+    @classmethod
+    def from_status(cls, status: dict[str, Any] | None) -> LearnerJobRecord:
+        status = status or {}
+        return cls(int(status.get("restarts") or 0), status.get("jobUid"), status.get("sinceStep"))
+
+    def to_status(self) -> dict[str, Any]:
+        fields = {"restarts": self.restarts, "jobUid": self.job_uid, "sinceStep": self.since_step}
+        return {key: value for key, value in fields.items() if value is not None}
 
 
 def now_iso() -> str:
@@ -159,6 +178,9 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
             status[key] = value
     if observed.evaluation:
         status["evaluation"] = evaluation_status(observed.evaluation)
+    learner = observed.learner_job or LearnerJobRecord.from_status(previous.get("learner"))
+    if learner != LearnerJobRecord():
+        status["learner"] = learner.to_status()
     return status
 
 

@@ -124,6 +124,20 @@ class EvaluationStatus(StatusModel):
     and checkpoint pruning keeps."""
 
 
+class LearnerJobStatus(StatusModel):
+    """The learner Job's failures as the operator counts them: a Job's ``backoffLimit`` bounds one streak of
+    failures, not the run's lifetime, so a Job that fails past it after committing steps is recreated."""
+
+    restarts: int = Field(default=0, ge=0)
+    """Times the operator recreated the learner Job, each after it failed past its backoffLimit having
+    committed steps since it was created; it resumed from the newest committed checkpoint."""
+    job_uid: str | None = None
+    """The learner Job that sinceStep counts from."""
+    since_step: int | None = Field(default=None, ge=0)
+    """The committed step when the operator first saw that Job. A Job that fails past its backoffLimit without
+    committing a step beyond it fails the run (LearnerCrashed)."""
+
+
 class TrainingRunStatus(StatusModel):
     """Observed state of a run."""
 
@@ -150,6 +164,8 @@ class TrainingRunStatus(StatusModel):
     """Mean reward of the rollouts in the latest step."""
     evaluation: EvaluationStatus | None = None
     """Evaluation on held-out tasks, per policy version (spec.evaluation)."""
+    learner: LearnerJobStatus | None = None
+    """The learner Job's failures and restarts."""
     start_time: datetime | None = None
     """When the run started running."""
     completion_time: datetime | None = None
