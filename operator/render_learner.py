@@ -68,9 +68,10 @@ def checkpoint_dir(run: TrainingRun) -> str:
     return directory if directory.startswith("/") else posixpath.join(WORK_DIR, directory)
 
 
-def learner_command(run: TrainingRun) -> list[str]:
+def learner_command(run: TrainingRun, config: OperatorConfig) -> list[str]:
     """``torchrun`` around ``harnessrl learn``. The store URL is not a flag: ``--store`` reads
-    ``HARNESSRL_STORE_URL``, which keeps a password off the command line."""
+    ``HARNESSRL_STORE_URL``, which keeps a password off the command line. The learner waits for a vLLM replica
+    as long as the operator waits for vLLM to serve (its provisioning timeout) before its first sync."""
     learner = run.spec.learner
     command = [
         "torchrun",
@@ -87,8 +88,11 @@ def learner_command(run: TrainingRun) -> list[str]:
         "--steps", str(learner.steps),
         "--metrics-port", str(METRICS_PORT),
     ]  # fmt: skip
-    for target in replica_targets(run, naming.VLLM_CONTROL_PORT):  # pause and reload: the gate's control port
+    targets = replica_targets(run, naming.VLLM_CONTROL_PORT)
+    for target in targets:  # pause and reload: the gate's control port
         command += ["--replica", target]
+    if targets:
+        command += ["--replica-wait", str(config.provisioning_timeout_seconds)]
     return command
 
 
@@ -129,8 +133,10 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
       and rejoins the others at rank 0 (whose collectives broke with it, so they restart too); a new pod per
       failure (``Never``) would leave the surviving ranks blocked in a collective until NCCL's timeout.
     - ``backoffLimit`` = 3 restarts per node: one incident usually restarts every rank, and each restart
-      resumes from the newest committed checkpoint, so three incidents cost at most three steps; past that
-      the failure is not transient and the run fails (LearnerCrashed) instead of holding GPUs.
+      resumes from the newest committed checkpoint, so three incidents cost at most three steps. It bounds
+      one streak of failures, not the run's life: a Job that fails past it after committing steps is created
+      again by the operator (``RunController._recreate_learner_job``); one that committed nothing fails the
+      run (LearnerCrashed) instead of holding GPUs.
     - init containers: ``harnessrl db upgrade`` so the schema exists before any rank opens the store (safe
       from several pods at once), and for a hub model the download ``--model`` needs.
     - the pod's ``fsGroup`` (with ``OnRootMismatch``) makes a fresh checkpoint claim writable for the learner
@@ -175,7 +181,7 @@ def render_learner_job(run: TrainingRun, namespace: str, uid: str, config: Opera
     container: dict[str, Any] = {
         "name": "learner",
         "image": image,
-        "command": learner_command(run),
+        "command": learner_command(run, config),
         "workingDir": WORK_DIR,
         "env": learner_env(run, config),
         "ports": [

@@ -165,7 +165,7 @@ def test_the_commands_the_operator_runs_exist_in_their_images() -> None:
                     timeout_s=1.0)
     proxy = proxy_container(run, OperatorConfig(), launch)["command"]
     assert proxy[0] == "harnessrl" and proxy[1] == COMPONENTS["proxy"][2] and _subcommand(proxy[1:])
-    learner = learner_command(run)
+    learner = learner_command(run, OperatorConfig())
     module = learner.index("-m")
     assert learner[0] == "torchrun" and learner[module + 1] == "harnessrl.cli"
     assert learner[module + 2] == COMPONENTS["learner"][2] and _subcommand(learner[module + 2:])

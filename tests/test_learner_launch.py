@@ -24,7 +24,7 @@ def test_torchrun_passes_every_argument_to_the_learner(doc: dict) -> None:
     run = parse_training_run(doc)
     # kubelet expands $(VAR) from the container's env; NODE_RANK is the pod's completion index.
     values = {e["name"]: e.get("value", "0") for e in learner_env(run, OperatorConfig(store_url="postgresql+psycopg://u:p@db:5432/h"))}
-    command = [re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], part) for part in learner_command(run)]
+    command = [re.sub(r"\$\((\w+)\)", lambda m: values[m[1]], part) for part in learner_command(run, OperatorConfig())]
     assert command[0] == "torchrun"
     module_at = command.index("-m")
     args = get_args_parser().parse_args(command[1:])  # exits (SystemExit) on an ambiguous or unknown option

@@ -21,6 +21,7 @@ from harnessrl.trainer.weight_sync import (
     check_inplace_reload,
     resolve_replica_urls,
     retry,
+    wait_for_replicas,
 )
 
 
@@ -136,6 +137,51 @@ def test_a_dns_name_with_no_replica_behind_it_fails_the_sync(answers):
     assert not report.ok
     (result,) = report.replicas
     assert "run-rollout-pods" in result.error and "Ready" in result.error
+
+
+class FakeClock:
+    """Time that passes only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_starting_learner_waits_for_the_first_replica_and_not_past_its_limit():
+    """vLLM starts in minutes, the learner in seconds: the learner's first sync waits for a replica behind the
+    headless Service instead of failing on every rank while vLLM loads; past the limit it goes on (the sync
+    then fails naming the Service). Fixed URLs and a limit of 0 are not waited for."""
+    dns: dict[str, list[str]] = {}
+    clock, said = FakeClock(), []
+    asked = []
+
+    def resolve(host: str, port: int, type: int = 0) -> list:
+        asked.append(clock.now)
+        if clock.now >= 30:  # the replica's pod turns Ready 30 s after the learner started
+            dns["run-rollout-pods"] = ["10.0.0.7"]
+        return fake_dns(dns)(host, port, type)
+
+    found = wait_for_replicas(["dns://run-rollout-pods:8001"], 600, said.append, resolve=resolve, poll_s=5,
+                              clock=clock, sleep=clock.sleep)
+    assert found == ["http://10.0.0.7:8001"]
+    assert clock.now == 30 and asked == [0, 5, 10, 15, 20, 25, 30]
+    assert len(said) == 2 and "waiting up to 600 s" in said[0] and "does not resolve" in said[0]
+    assert "1 vLLM replica(s) after 30 s" in said[1]
+
+    dns.clear()
+    clock, said = FakeClock(), []
+    assert wait_for_replicas(["dns://run-rollout-pods:8001"], 12, said.append, resolve=fake_dns(dns), poll_s=5,
+                             clock=clock, sleep=clock.sleep) == []
+    assert clock.now == 12 and "no vLLM replica after 12 s" in said[-1]
+    for targets, limit in ((["http://fixed:8001"], 600), (["dns://run-rollout-pods:8001"], 0)):
+        assert wait_for_replicas(targets, limit, said.append, resolve=fake_dns(dns), clock=clock,
+                                 sleep=clock.sleep) == []
+    assert clock.now == 12
 
 
 def test_a_replica_set_written_wrong_names_the_form():

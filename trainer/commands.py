@@ -118,6 +118,9 @@ def _settings_from_spec(ctx: click.Context, spec_file: Path, run: str | None, **
               help="vLLM base URL to sync weights to, or dns://NAME:PORT for every address NAME resolves to at "
                    "each sync (a headless Service); repeatable.")
 @click.option("--proxy", "proxies", multiple=True, help="Proxy base URL to pause during syncs (repeatable).")
+@click.option("--replica-wait", default=0.0, show_default=True, type=click.FloatRange(min=0),
+              help="At start, wait up to this many seconds for a replica behind a dns:// --replica before the "
+                   "first sync (the operator passes its provisioning timeout); 0: do not wait.")
 @click.option("--keep-checkpoints", default=_spec_default(*SPEC_FIELDS["keep_checkpoints"]), show_default=True, type=click.IntRange(min=1))
 @click.option("--wait-timeout", default=None, type=float, callback=_positive,
               help="Stop when no step's worth of rollouts arrives for this many seconds (default: wait).")
@@ -130,7 +133,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
                   gradient_checkpointing: bool, lora_rank: int, lora_alpha: float, loss: str,
                   loss_aggregation: str, advantage: str, max_staleness: int | None, row_mode: str,
                   max_row_tokens: int | None, replicas: tuple[str, ...], proxies: tuple[str, ...],
-                  keep_checkpoints: int, wait_timeout: float | None, poll_interval: float,
+                  replica_wait: float, keep_checkpoints: int, wait_timeout: float | None, poll_interval: float,
                   metrics_port: int | None) -> None:
     """Train on finished rollouts from the store, write versioned checkpoints, sync them to vLLM."""
     if not (model_dir / "config.json").is_file():
@@ -138,7 +141,7 @@ def learn_command(ctx: click.Context, spec_file: Path | None, store_url: str, ru
                                  param_hint="--model")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     common = dict(model_dir=model_dir, output_dir=output_dir, replicas=replicas, proxies=proxies,
-                  wait_timeout_s=wait_timeout, poll_interval_s=poll_interval, metrics_port=metrics_port)
+                  replica_wait_s=replica_wait, wait_timeout_s=wait_timeout, poll_interval_s=poll_interval, metrics_port=metrics_port)
     if spec_file is not None:
         try:
             settings = _settings_from_spec(ctx, spec_file, run, **common, **({"steps": steps} if steps else {}))
@@ -194,7 +197,7 @@ def _run_learner(settings, store_url: str) -> None:
     from harnessrl.store.learner_ledger import CommitRefused
     from harnessrl.trainer.engine import PolicyEngine, init_distributed
     from harnessrl.trainer.learner import Learner
-    from harnessrl.trainer.weight_sync import SyncError
+    from harnessrl.trainer.weight_sync import SyncError, wait_for_replicas
 
     store = None
     if int(os.environ.get("RANK", "0")) == 0:  # before the slow engine start, so a wrong URL fails at once
@@ -206,6 +209,7 @@ def _run_learner(settings, store_url: str) -> None:
             store.upgrade()
         except StoreError as exc:
             raise click.ClickException(str(exc)) from None
+    wait_for_replicas(settings.replicas, settings.replica_wait_s, logging.getLogger(__name__).warning)
     dist = init_distributed()
     engine = PolicyEngine(settings.model_dir, settings.engine, dist)
     try:

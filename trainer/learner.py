@@ -124,6 +124,7 @@ class LearnerSettings:
     sync_tries: int = 3
     sync_backoff_s: float = 1.0
     sync_timeout_s: float = 600.0  # spec.weightSync.timeoutSeconds: no retry after it, no request longer
+    replica_wait_s: float = 0.0  # a starting learner waits this long for a replica behind its dns:// targets
     poll_interval_s: float = 2.0
     wait_timeout_s: float | None = None  # stop when no step's worth of rollouts arrives for this long
     store_outage_s: float = 600.0  # how long the store may not answer while the learner waits for rollouts

@@ -349,6 +349,45 @@ def resolve_replica_urls(target: str, resolve: Callable[..., list] = socket.geta
     return base_urls((answer[4][0] for answer in answers), port)
 
 
+def wait_for_replicas(targets: Sequence[str], timeout_s: float, say: Callable[[str], None] = log.warning,
+                      resolve: Callable[..., list] = socket.getaddrinfo, poll_s: float = 5.0,
+                      clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                      ) -> list[str]:
+    """Wait up to ``timeout_s`` until the DNS targets name at least one replica; the URLs found then (``[]``
+    when the wait ran out: the first sync then fails and says why).
+
+    A learner starts in seconds and vLLM in minutes (an image pull and a model load on a GPU node), and a LoRA
+    run's first sync (the initial adapter) or a sync left unfinished by a crash comes before any step: without
+    a replica it would fail after its retries, every rank would exit, and the restarts would use up the Job's
+    backoffLimit while vLLM is still starting. Every rank waits, before the process group forms: a rank blocked
+    in a collective would time out (DeepSpeed's default is 30 min) while rank 0 waited. Fixed URLs are not
+    waited for (they always resolve; a replica that does not answer is the sync's to report)."""
+    dynamic = [target for target in targets if target.startswith(DNS_SCHEME)]
+    if not dynamic or timeout_s <= 0:
+        return []
+    started = clock()
+    said = False
+    while True:
+        try:
+            urls = [url for target in dynamic for url in resolve_replica_urls(target, resolve)]
+        except SyncError as exc:
+            urls, why = [], str(exc)
+        else:
+            why = f"no vLLM replica behind {dynamic} yet"
+        waited = clock() - started
+        if urls:
+            if said:
+                say(f"{len(urls)} vLLM replica(s) after {waited:.0f} s: {urls}")
+            return urls
+        if waited >= timeout_s:
+            say(f"no vLLM replica after {waited:.0f} s ({why}); going on, the first sync will say why")
+            return []
+        if not said:
+            say(f"waiting up to {timeout_s:.0f} s for a vLLM replica ({why})")
+            said = True
+        sleep(min(poll_s, max(0.0, timeout_s - waited)))
+
+
 class ReplicaSet:
     """The replicas of the next sync: fixed URLs and DNS names, resolved again at each sync (a scaled
     Deployment gains and loses replicas between syncs); one :class:`VllmReplica` per URL, kept while it
