@@ -53,9 +53,14 @@ PROXY_UID = 65532
 image); the harness and verifier run as ``spec.harness.sandbox.runAsUser``."""
 ANNOTATIONS_LIMIT = 256 * 1024
 """The API server's limit on the total size of an object's annotations (keys and values)."""
-TERMINATION_GRACE_SECONDS = 60
-"""Time for the proxy, on SIGTERM, to finish in-flight calls (its 30 s shutdown timeout) and write its queue
-to the store or its spool."""
+PROXY_FLUSH_SECONDS = 300
+"""How long a proxy whose harness has ended keeps trying to store what it captured (its queue and its spool)
+while the store does not answer (a database restart) before it exits (``HARNESSRL_SHUTDOWN_TIMEOUT_S``). The
+operator releases (deletes) a harness pod only once every container of it ended, so a pod whose harness ended
+during an outage stays until its proxy stored everything: its spool is an emptyDir that dies with the pod."""
+TERMINATION_GRACE_SECONDS = PROXY_FLUSH_SECONDS + 60
+"""The kubelet stops the proxy sidecar with SIGTERM once the harness has exited, and kills it after this: the
+proxy's flush, and a minute for in-flight calls. A proxy with nothing left to store exits at once."""
 PROXY_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
 """What the proxy needs at rest (about 1 ms of CPU per call), unless ``spec.proxy.resources`` says otherwise.
 No limits by default: a request body may be up to spec.proxy.maxRequestBodyBytes, and an OOM kill would lose
@@ -102,6 +107,7 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_ATTEMPT", str(launch.attempt)),
         env("HARNESSRL_PROXY_HOST", "127.0.0.1"),
         env("HARNESSRL_PROXY_PORT", str(proxy.port)),
+        env("HARNESSRL_SHUTDOWN_TIMEOUT_S", str(PROXY_FLUSH_SECONDS)),
         env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
         env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
         env("HARNESSRL_SAMPLING", json.dumps(sampling)),
