@@ -193,6 +193,7 @@ class CaptureProxy:
             queue_max_bytes=config.queue_max_bytes,
             retry_s=config.spool_retry_s,
             linger_s=config.write_linger_s,
+            release_idle_s=config.store_release_idle_s,
         )
         self.upstreams = UpstreamPool(
             config.upstreams,

@@ -59,6 +59,9 @@ HARNESSRL_SPOOL_PATH               append-only file for items the store could no
 HARNESSRL_SPOOL_MAX_BYTES          largest spool file; when full, items wait in memory and new calls wait
                                    (default: ``proxy.spoolMaxBytes``'s, 1 GiB)
 HARNESSRL_SPOOL_RETRY_S            first delay before replaying the spool, doubled up to 5 s (default 0.2)
+HARNESSRL_STORE_RELEASE_IDLE_S     after this long with nothing to write, the proxy closes its database
+                                   connection (the next write opens one), so idle harness pods hold no
+                                   server slots (default 5)
 HARNESSRL_REWARD_TIMEOUT_S         how long ``/v1/reward`` waits for the reward to be stored before it
                                    answers 503 (the store is away; the reward stays in the spool); default 30
 HARNESSRL_LIVE_ROLLOUTS            rollout attempts whose sequence counter is kept (default 100000)
@@ -167,6 +170,7 @@ class ProxyConfig(BaseSettings):
     spool_path: Path | None = None
     spool_max_bytes: int = Field(default=_spec_default(Proxy, "spool_max_bytes"), ge=1)
     spool_retry_s: float = Field(default=0.2, gt=0)
+    store_release_idle_s: float = Field(default=5.0, ge=0)
     reward_timeout_s: float = Field(default=30.0, ge=0)
     live_rollouts: int = Field(default=100_000, ge=1)
     last_call_tokens: int = Field(default=8_000_000, ge=0)

@@ -64,6 +64,8 @@ class TraceSink(Protocol):
         run: str | None = None,
     ) -> None: ...
 
+    def release(self) -> None: ...
+
 
 # ------------------------------------------------------------------------------------------------ items
 
@@ -271,6 +273,7 @@ class TraceWriter:
         retry_s: float = 0.2,
         retry_max_s: float = 5.0,
         linger_s: float = 0.1,
+        release_idle_s: float = 5.0,
     ) -> None:
         self.store = store
         self.spool = spool
@@ -281,6 +284,9 @@ class TraceWriter:
         self.retry_s = retry_s
         self.retry_max_s = retry_max_s
         self.linger_s = linger_s
+        self.release_idle_s = release_idle_s
+        self._holding = True  # the store may hold a connection (start-up checks opened one)
+        self._last_use = time.monotonic()
         self._wake = threading.Event()  # set by flush/close (and a waited-for item) to cut a linger short
         # ... and by a queue half full (by count or bytes) or holding a batch, so a long linger never makes new
         # calls wait for room while the writer sleeps.
@@ -464,11 +470,27 @@ class TraceWriter:
         if self.spool.pending and (time.monotonic() >= self._next_replay or stopping):
             self._replay()
         if not self._held:
+            if not self.spool.pending:
+                self._release_when_idle()
             return
         if self.spool.pending:
             self._to_spool()
         else:
             self._write()
+
+    def _release_when_idle(self) -> None:
+        """Give the store's connection back once nothing was written for ``release_idle_s``.
+
+        Why: every harness pod runs a proxy, and a proxy that kept its connection for its whole life would
+        hold one server slot per pod, busy or not (tool runs, weight syncs, pods waiting to end), so the
+        database's ``max_connections`` would cap the pods of a run; a proxy refused a slot spools and retries,
+        and now gets one as soon as an idle proxy lets go. Why not after every batch: opening a PostgreSQL
+        connection forks a server process (milliseconds of server CPU), which a busy proxy writing every
+        ``linger_s`` would pay ten times a second; after a few idle seconds it is paid at most once per pause.
+        """
+        if self._holding and time.monotonic() - self._last_use >= self.release_idle_s:
+            self._holding = False
+            self.store.release()
 
     def _fail(self, exc: BaseException) -> None:
         reason = f"{type(exc).__name__}: {exc}".splitlines()[0]
@@ -596,6 +618,8 @@ class TraceWriter:
         return True
 
     def _apply_once(self, items: list[Item]) -> None:
+        self._holding = True
+        self._last_use = time.monotonic()
         first = items[0]
         if isinstance(first, CallItem):
             records = [i.call for i in items]  # type: ignore[union-attr]

@@ -32,8 +32,9 @@ PING_IDLE_S = 30.0  # a PostgreSQL connection idle longer than this is pinged be
 POOL_RECYCLE_S = 1800  # and every one is replaced after this long (below common idle-connection reapers)
 POOL_SIZE_ENV = "HARNESSRL_STORE_POOL_SIZE"
 """PostgreSQL connections a process keeps (SQLAlchemy's default: 5, and 10 more under load). A proxy sidecar
-writes from one thread, so the operator sets 1 for them (one more may open for a moment): hundreds of harness
-pods then hold one connection each, which the chart's max_connections is sized for."""
+writes from one thread, so the operator sets 1 for them (one more may open for a moment), and the proxy closes
+it after a few seconds with nothing to write (``HARNESSRL_STORE_RELEASE_IDLE_S``): hundreds of harness pods then
+hold at most one connection each, and only while they write, which the chart's max_connections is sized for."""
 WRITE_OPTION = "harnessrl_write"  # execution option that marks a connection's transactions as writes
 URL_HELP = "use sqlite:///PATH/TO/FILE.db or postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE"
 

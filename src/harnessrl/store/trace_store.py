@@ -95,6 +95,11 @@ class TraceStore:
     def close(self) -> None:
         self._engine.dispose()
 
+    def release(self) -> None:
+        """Close the connections the pool keeps idle; the next call opens one again (a proxy between its
+        writes: ``proxy/writer.py``)."""
+        self._engine.dispose()
+
     def __enter__(self) -> TraceStore:
         return self
 
