@@ -7,7 +7,12 @@ the order of fail-over on retries.
 
 Replicas by DNS: an upstream written ``dns://NAME:PORT`` stands for every address NAME resolves to (on a
 cluster, the rollout's headless Service: its Ready vLLM pods), resolved at start and again every
-``dns_refresh_s``, so pinning reaches one replica, not a Service that would pick one per request.
+``dns_refresh_s``, so pinning reaches one replica, not a Service that would pick one per request. A call that
+finds no address known resolves the names again, once a second, for up to the connect timeout: resolving is
+part of connecting, and a replica's address reaches the cluster's DNS a few seconds after the replica turned
+Ready (its EndpointSlice, then the DNS server's watch and its cache of "no such name"), which is when the
+operator starts harness pods. Seen on the real node: the first pods' proxies resolved nothing, answered 502
+at once, and their harnesses failed.
 
 Policy versions from the replica (``replica_versions``): right before each send the proxy asks that very
 replica for its weight label (vLLM's ``GET /weight_info``, set by the learner's sync while the replica is
@@ -193,6 +198,16 @@ class UpstreamPool:
                 log.debug("no weight label from %s (%s): the proxy's version is used", url, exc)
         return self.current_version()
 
+    async def _ranked_resolving(self, key: str) -> list[str]:
+        """``ranked(key)``, resolving the DNS upstreams again while none has an address (module docstring)."""
+        waited_until = time.monotonic() + self.connect_timeout_s
+        while not self.urls and time.monotonic() < waited_until:  # no fixed URL, no DNS answer yet
+            await asyncio.sleep(min(1.0, max(0.0, waited_until - time.monotonic())))
+            await self.resolve()
+            if self.urls:
+                self.metrics.upstream_retries.labels(reason="resolved_late").inc()
+        return self.ranked(key)
+
     def ranked(self, key: str) -> list[str]:
         """Upstreams in preference order for ``key`` (rendezvous hashing)."""
         if not self.urls:
@@ -248,7 +263,7 @@ class UpstreamPool:
         ``read``: the body is read inside the retry loop (a body cut short is retried too); otherwise it is
         left unread and the response open. Returns (response, body, url, policy version sent under, start).
         """
-        ranked = self.ranked(key)
+        ranked = await self._ranked_resolving(key)
         attempt = 0
         while True:
             url = ranked[attempt % len(ranked)]

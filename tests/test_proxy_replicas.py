@@ -6,6 +6,7 @@ test_weight_sync_vllm.py."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import httpx
 import openai
@@ -59,6 +60,48 @@ def test_a_name_that_never_resolved_leaves_no_replica_to_call() -> None:
             await upstreams.close()
 
     asyncio.run(scenario())
+
+
+def test_a_call_made_before_the_replicas_name_resolves_waits_for_it(upstream, loops) -> None:
+    """On a cluster the first harness pods start as soon as a vLLM replica is Ready, and its address reaches
+    the DNS a few seconds later: a call that finds no replica resolves the name again (once a second) for up
+    to the connect timeout, instead of answering 502 at once (what failed the first harnesses on the real
+    node). A name that never resolves still fails, once that timeout has passed."""
+    port = int(upstream.url.rsplit(":", 1)[1])
+    asked: dict[str, int] = {"rollout-pods.test": 0, "never.test": 0}
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        real = loop.getaddrinfo
+
+        async def dns(host: str, *args: object, **kwargs: object) -> list:
+            if host not in asked:
+                return await real(host, *args, **kwargs)
+            asked[host] += 1
+            if host == "never.test" or asked[host] <= 3:  # at start and the first two retries: no address
+                raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+            return await real("127.0.0.1", *args, **kwargs)
+
+        loop.getaddrinfo = dns  # type: ignore[method-assign]  # for this loop only
+        try:
+            late = UpstreamPool([f"dns://rollout-pods.test:{port}"], ProxyMetrics(), lambda: 0, connect_timeout_s=30)
+            never = UpstreamPool(["dns://never.test:1"], ProxyMetrics(), lambda: 0, connect_timeout_s=2)
+            for upstreams in (late, never):
+                await upstreams.start()
+                assert upstreams.urls == []
+            body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}'
+            answer = await late.fetch("/v1/chat/completions", body, "rollout-1")
+            assert answer.status == 200 and answer.url == f"http://127.0.0.1:{port}"
+            assert asked["rollout-pods.test"] >= 4  # the start, then once a second until it answers
+            with pytest.raises(UpstreamUnavailable, match="no replica address resolved yet"):
+                await never.fetch("/v1/chat/completions", body, "rollout-1")
+            assert asked["never.test"] >= 2  # resolved again while it waited
+            for upstreams in (late, never):
+                await upstreams.close()
+        finally:
+            del loop.getaddrinfo
+
+    loops.run(scenario())
 
 
 @pytest.mark.parametrize(
