@@ -93,6 +93,33 @@ def test_a_sync_that_finds_no_replica_fails_and_no_proxy_learns_the_version(make
     assert all("ConnectError" in e for e in report.gate_errors.values())
 
 
+class Accepting:
+    """A replica that takes every request (the Replica protocol), to see what the sync asked of it."""
+
+    name = "http://10.0.0.9:8001"
+
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+
+    def pause(self) -> None: ...
+    def load(self, checkpoint: Path, version: int) -> None:
+        self.loaded.append(version)
+    def set_version(self, version: int) -> None: ...
+    def served_version(self) -> str | None:
+        return None
+    def resume(self) -> None: ...
+    def probe(self) -> None: ...
+
+
+def test_a_replica_that_reaches_the_dns_late_is_found_by_the_syncs_retries():
+    """A sync right after a replica restarted: its address reaches the DNS seconds after it turned Ready, so
+    finding none is retried within the sync's tries, as a failed load is."""
+    replica = Accepting()
+    answers: list[list] = [[], [], [replica]]
+    report = WeightSync(lambda: answers.pop(0), tries=3, backoff_s=0.01).sync(2, Path("/ckpt/v000002"))
+    assert report.ok and replica.loaded == [2] and answers == []
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_full_weight_sync_refuses_a_model_with_a_tied_lm_head(tmp_path: Path, tied: bool):
     """vLLM's in-place reload would leave a tied head on the initial weights: refuse before the first step."""

@@ -479,10 +479,14 @@ class WeightSync:
         results: list[ReplicaResult] = []
         replicas: list[Replica] = []
         resolved = True
-        try:
+        def found() -> list[Replica]:
             replicas = self._current()
             if not replicas:
                 raise SyncError(f"no vLLM replica to load version {version} into: syncing none is not a sync")
+            return replicas
+
+        try:  # retried: a replica that just turned Ready reaches the DNS seconds later
+            replicas = self._retry(found, what="finding the vLLM replicas")
         except SyncError as exc:
             resolved = False
             results.append(ReplicaResult(str(self.replicas), False, 1, 0.0, _one_line(exc)))
