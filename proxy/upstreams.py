@@ -8,11 +8,12 @@ the order of fail-over on retries.
 Replicas by DNS: an upstream written ``dns://NAME:PORT`` stands for every address NAME resolves to (on a
 cluster, the rollout's headless Service: its Ready vLLM pods), resolved at start and again every
 ``dns_refresh_s``, so pinning reaches one replica, not a Service that would pick one per request. A call that
-finds no address known resolves the names again, once a second, for up to the connect timeout: resolving is
-part of connecting, and a replica's address reaches the cluster's DNS a few seconds after the replica turned
-Ready (its EndpointSlice, then the DNS server's watch and its cache of "no such name"), which is when the
-operator starts harness pods. Seen on the real node: the first pods' proxies resolved nothing, answered 502
-at once, and their harnesses failed.
+finds no address known resolves the names again, once a second, for up to ``resolve_wait_s`` (45 s): the
+operator starts harness pods when a replica turns Ready, and the cluster's DNS may keep answering "no such
+name" for 30 s more (CoreDNS as kubeadm and kind configure it, ``ttl 30`` and ``cache 30``, caches the
+negative answer that an earlier lookup, the learner's or another proxy's, got while no replica was Ready).
+Seen on the real node: the first pods' proxies resolved nothing for 30 s, answered 502 at once, and their
+harnesses failed.
 
 Policy versions from the replica (``replica_versions``): right before each send the proxy asks that very
 replica for its weight label (vLLM's ``GET /weight_info``, set by the learner's sync while the replica is
@@ -108,6 +109,7 @@ class UpstreamPool:
         api_key: str | None = None,
         replica_versions: bool = False,
         dns_refresh_s: float = 10.0,
+        resolve_wait_s: float = 45.0,
     ) -> None:
         if not urls:
             raise ValueError("at least one upstream URL is required")
@@ -115,6 +117,7 @@ class UpstreamPool:
         self.urls = [url for url in self.targets if not url.startswith(DNS_SCHEME)]
         self.replica_versions = replica_versions
         self.dns_refresh_s = dns_refresh_s
+        self.resolve_wait_s = resolve_wait_s
         self._refresher: asyncio.Task[None] | None = None
         self._resolved: dict[str, list[str]] = {}  # dns:// upstream -> its addresses' base URLs
         self.metrics = metrics
@@ -200,7 +203,7 @@ class UpstreamPool:
 
     async def _ranked_resolving(self, key: str) -> list[str]:
         """``ranked(key)``, resolving the DNS upstreams again while none has an address (module docstring)."""
-        waited_until = time.monotonic() + self.connect_timeout_s
+        waited_until = time.monotonic() + self.resolve_wait_s
         while not self.urls and time.monotonic() < waited_until:  # no fixed URL, no DNS answer yet
             await asyncio.sleep(min(1.0, max(0.0, waited_until - time.monotonic())))
             await self.resolve()

@@ -64,9 +64,9 @@ def test_a_name_that_never_resolved_leaves_no_replica_to_call() -> None:
 
 def test_a_call_made_before_the_replicas_name_resolves_waits_for_it(upstream, loops) -> None:
     """On a cluster the first harness pods start as soon as a vLLM replica is Ready, and its address reaches
-    the DNS a few seconds later: a call that finds no replica resolves the name again (once a second) for up
-    to the connect timeout, instead of answering 502 at once (what failed the first harnesses on the real
-    node). A name that never resolves still fails, once that timeout has passed."""
+    the cluster's DNS up to 30 s later (its cached negative answer): a call that finds no replica resolves the
+    name again (once a second) for up to 45 s, instead of answering 502 at once (what failed the first
+    harnesses on the real node). A name that never resolves still fails, once that wait has passed."""
     port = int(upstream.url.rsplit(":", 1)[1])
     asked: dict[str, int] = {"rollout-pods.test": 0, "never.test": 0}
 
@@ -84,8 +84,8 @@ def test_a_call_made_before_the_replicas_name_resolves_waits_for_it(upstream, lo
 
         loop.getaddrinfo = dns  # type: ignore[method-assign]  # for this loop only
         try:
-            late = UpstreamPool([f"dns://rollout-pods.test:{port}"], ProxyMetrics(), lambda: 0, connect_timeout_s=30)
-            never = UpstreamPool(["dns://never.test:1"], ProxyMetrics(), lambda: 0, connect_timeout_s=2)
+            late = UpstreamPool([f"dns://rollout-pods.test:{port}"], ProxyMetrics(), lambda: 0)
+            never = UpstreamPool(["dns://never.test:1"], ProxyMetrics(), lambda: 0, resolve_wait_s=2)
             for upstreams in (late, never):
                 await upstreams.start()
                 assert upstreams.urls == []

@@ -84,7 +84,7 @@ def test_a_sync_that_finds_no_replica_fails_and_no_proxy_learns_the_version(make
     gone = dead_url()
     gate = ProxyAdminGate([live.url, gone], retries=2, backoff_s=0.01)
     targets = [] if replicas == "empty list" else ReplicaSet(["dns://nothing.invalid:8000"], resolve=lambda *a, **k: []).current
-    report = WeightSync(targets, gate, tries=1).sync(3, Path("/ckpt/v000003"))
+    report = WeightSync(targets, gate, tries=1, lookup_backoff_s=0).sync(3, Path("/ckpt/v000003"))
     assert not report.ok
     assert [r.ok for r in report.replicas] == [False]
     assert "no vLLM replica" in report.replicas[0].error
@@ -113,10 +113,10 @@ class Accepting:
 
 def test_a_replica_that_reaches_the_dns_late_is_found_by_the_syncs_retries():
     """A sync right after a replica restarted: its address reaches the DNS seconds after it turned Ready, so
-    finding none is retried within the sync's tries, as a failed load is."""
+    finding none is retried (REPLICA_LOOKUP_TRIES, whatever the sync's tries)."""
     replica = Accepting()
     answers: list[list] = [[], [], [replica]]
-    report = WeightSync(lambda: answers.pop(0), tries=3, backoff_s=0.01).sync(2, Path("/ckpt/v000002"))
+    report = WeightSync(lambda: answers.pop(0), tries=1, lookup_backoff_s=0.01).sync(2, Path("/ckpt/v000002"))
     assert report.ok and replica.loaded == [2] and answers == []
 
 
@@ -160,7 +160,7 @@ def test_a_dns_replica_set_is_resolved_again_at_each_sync():
 def test_a_dns_name_with_no_replica_behind_it_fails_the_sync(answers):
     """A headless Service with no Ready pod (or no DNS name at all) is not a successful sync of nothing."""
     replicas = ReplicaSet(["dns://run-rollout-pods:8000"], resolve=fake_dns(answers))
-    report = WeightSync(replicas.current, tries=1).sync(4, Path("/ckpt/v000004"))
+    report = WeightSync(replicas.current, tries=1, lookup_backoff_s=0).sync(4, Path("/ckpt/v000004"))
     assert not report.ok
     (result,) = report.replicas
     assert "run-rollout-pods" in result.error and "Ready" in result.error

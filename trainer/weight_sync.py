@@ -417,6 +417,12 @@ class ReplicaSet:
         return list(replicas.values())
 
 
+REPLICA_LOOKUP_TRIES = 7
+"""Lookups of the replicas before a sync gives up finding one: 1 + 2 + ... + 32 = 63 s of waits, past the 30 s
+for which the cluster's DNS may cache "no such name" (CoreDNS's ``ttl 30`` and ``cache 30``, as kubeadm and
+kind set them) after a replica restarted."""
+
+
 class WeightSync:
     """Loads a version on every replica behind paused replicas and gate (the module docstring has the rules).
 
@@ -427,7 +433,8 @@ class WeightSync:
     """
 
     def __init__(self, replicas: Sequence[Replica] | Callable[[], Sequence[Replica]], gate: RolloutGate | None = None,
-                 tries: int = 3, backoff_s: float = 1.0, timeout_s: float | None = None) -> None:
+                 tries: int = 3, backoff_s: float = 1.0, timeout_s: float | None = None,
+                 lookup_backoff_s: float = 1.0) -> None:
         if tries < 1:
             raise ValueError("tries must be >= 1")
         self.replicas = replicas
@@ -435,6 +442,7 @@ class WeightSync:
         self.tries = tries
         self.backoff_s = backoff_s
         self.timeout_s = timeout_s
+        self.lookup_backoff_s = lookup_backoff_s  # the first wait between REPLICA_LOOKUP_TRIES lookups
         self._deadline: float | None = None
 
     def _retry(self, fn: Callable[[], Any], what: str) -> Any:
@@ -485,8 +493,9 @@ class WeightSync:
                 raise SyncError(f"no vLLM replica to load version {version} into: syncing none is not a sync")
             return replicas
 
-        try:  # retried: a replica that just turned Ready reaches the DNS seconds later
-            replicas = self._retry(found, what="finding the vLLM replicas")
+        try:  # a replica that just turned Ready may reach the cluster's DNS 30 s later (a cached negative answer)
+            replicas = retry(found, REPLICA_LOOKUP_TRIES, self.lookup_backoff_s, what="finding the vLLM replicas",
+                             deadline=self._deadline)
         except SyncError as exc:
             resolved = False
             results.append(ReplicaResult(str(self.replicas), False, 1, 0.0, _one_line(exc)))
