@@ -137,6 +137,12 @@ def summarize_pod(body: dict[str, Any]) -> PodSummary | None:
     )
 
 
+def deleted_reason(summary: PodSummary) -> str:
+    """Why an attempt whose pod was deleted before its harness ended did not finish."""
+    why = f" ({summary.disruption})" if summary.disruption else ""
+    return f"PodDeleted: the pod was deleted before the harness ended{why}"
+
+
 def _join(reason: str | None, message: str | None) -> str | None:
     if reason and message:
         return f"{reason}: {message}"
@@ -354,6 +360,11 @@ class PodBackend:
             elif pod.phase == "Failed" or pod.fatal:
                 detail = pod.reason if pod.exit_code is None or pod.exit_code != 0 else None
                 ended[pod.key] = HarnessExit(*pod.key, pod.exit_code if not pod.fatal else None, detail)
+            elif pod.deleting and pod.disruption:
+                # Evicted, preempted or tainted away: the pod goes whatever its containers do now, and may take
+                # its whole grace period (the proxy's flush; a harness that ignores SIGTERM, as a Python PID 1
+                # does). The attempt ends now with the reason, not at its timeout, and its retry may start.
+                ended[pod.key] = HarnessExit(*pod.key, None, deleted_reason(pod))
         return [ended[key] for key in sorted(ended)]
 
     def stop(self, rollout_id: str, attempt: int, reason: str) -> None:
@@ -398,6 +409,4 @@ class PodBackend:
             self._released.discard(summary.key)
             return
         if not summary.ended:
-            self.gone[summary.key] = "PodDeleted: the pod was deleted before the harness ended" + (
-                f" ({summary.disruption})" if summary.disruption else ""
-            )
+            self.gone[summary.key] = deleted_reason(summary)

@@ -262,9 +262,24 @@ def test_an_evicted_pod_names_the_eviction() -> None:
         {"type": "DisruptionTarget", "status": "True", "reason": "EvictionByEvictionAPI",
          "message": "Eviction API: evicting"},
     ]
+    evicted = HarnessExit("r1", 0, None, "PodDeleted: the pod was deleted before the harness ended "
+                                         "(EvictionByEvictionAPI: Eviction API: evicting)")
     b.pod_deleted(summarize_pod(body))
-    assert b.exits() == [HarnessExit("r1", 0, None, "PodDeleted: the pod was deleted before the harness ended "
-                                                    "(EvictionByEvictionAPI: Eviction API: evicting)")]
+    assert b.exits() == [evicted]
+
+    # While the evicted pod is still terminating (its grace period: the proxy's flush, a harness that ignores
+    # SIGTERM), its attempt has ended already, not at its timeout; the operator does not delete it again.
+    api, pods = RecordingApi(), []
+    b = backend(api, pods)
+    body["metadata"]["deletionTimestamp"] = "2026-12-05T12:00:00Z"
+    pods.append(summarize_pod(body))
+    assert b.alive() == set() and b.exits() == [evicted]
+    b.release("r1", 0)
+    assert b.exits() == [] and api.deleted == []
+    body["status"]["conditions"] = [{"type": "Ready", "status": "True"}]  # deleted by hand: its end is awaited
+    pods[0] = summarize_pod(body)
+    b = backend(api, pods)
+    assert b.exits() == []
 
 
 def test_creation_is_rate_bounded_and_suspend_stops_it() -> None:
