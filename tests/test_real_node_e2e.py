@@ -123,7 +123,14 @@ def test_vowels_trains_through_the_operator(installed: Cluster, prepared: dict[s
     assert [c["image"] for c in operator[0]["spec"]["containers"]] == ["ghcr.io/harnessrl/operator:0.1.0"]
     run = json.loads(json.dumps(prepared))
     run["spec"]["learner"]["steps"] = STEPS
+    # Two learner pods, one rank each over gloo, meeting at rank 0's name in the learner's headless Service,
+    # as on a multi-node GPU pool; a quarter core each, so they fit the 2-core node beside vLLM and harnesses.
+    run["spec"]["learner"]["nodes"] = 2
+    run["spec"]["learner"]["resources"] = {"requests": {"cpu": "250m", "memory": "1Gi"}}
     cluster.kubectl("apply", "-n", TEAM, "-f", "-", input=json.dumps(run))
+    learners = "harnessrl.io/run=vowels,harnessrl.io/component=learner"
+    wait_for("both learner pods running", lambda: sum(
+        p["status"].get("phase") == "Running" for p in pods_of(cluster, TEAM, learners)) == 2, timeout=900)
     status = wait_succeeded(cluster, "vowels")
     assert status["step"] == STEPS and status["policyVersion"] >= 1, status
     assert status["rollouts"]["succeeded"] >= STEPS * 4 * 4  # tasksPerStep x groupSize per step
