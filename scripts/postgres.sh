@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Source this file: `start_postgres` starts a throwaway PostgreSQL cluster for the tests (installing Debian's
 # postgresql when missing) and exports HARNESSRL_TEST_PG_URL; `stop_postgres` stops it and removes its files.
+# HARNESSRL_PG_MAX_CONNECTIONS sets its max_connections (default 200; bench/db_connections.py: the chart's 500).
 # A private cluster on its own port leaves any system cluster and its auth settings alone.
 
 _pg_as_owner() {
@@ -21,7 +22,7 @@ start_postgres() {
   _pg_as_owner "$bin/initdb" -D "$HARNESSRL_PG_DIR/data" --auth=trust -U postgres >"$HARNESSRL_PG_DIR/initdb.log" 2>&1 \
     || { cat "$HARNESSRL_PG_DIR/initdb.log" >&2; return 1; }
   _pg_as_owner "$bin/pg_ctl" -D "$HARNESSRL_PG_DIR/data" -l "$HARNESSRL_PG_DIR/server.log" -w \
-    -o "-p $port -k $HARNESSRL_PG_DIR -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" start >/dev/null \
+    -o "-p $port -k $HARNESSRL_PG_DIR -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=${HARNESSRL_PG_MAX_CONNECTIONS:-200}" start >/dev/null \
     || { cat "$HARNESSRL_PG_DIR/server.log" >&2; return 1; }
   export HARNESSRL_TEST_PG_URL="postgresql+psycopg://postgres@127.0.0.1:$port/postgres"
   echo "PostgreSQL for tests: $HARNESSRL_TEST_PG_URL"
