@@ -217,6 +217,14 @@ def test_a_run_goes_on_through_evictions_and_restarts_of_every_component(
                 "metadata": {"name": running["metadata"]["name"], "namespace": TEAM}}
     cluster.kubectl("create", "--raw", f"/api/v1/namespaces/{TEAM}/pods/{running['metadata']['name']}/eviction",
                     "-f", "-", input=json.dumps(eviction))
+    # The operator records the eviction before it is deleted in turn: a pod evicted and gone while no operator
+    # runs leaves nothing to read its reason from (its attempt is then Lost, or TimedOut past its timeout).
+    store = TraceStore.connect(store_url(cluster))
+    try:
+        wait_for("the eviction recorded", lambda: (a := store.get_attempt(*evicted)) is not None
+                 and a.state.value == "failed", timeout=300)
+    finally:
+        store.close()
     # 3. The operator's pod deleted (the chart's Deployment makes a new one).
     operator = "app.kubernetes.io/component=operator"
     cluster.kubectl("delete", "pod", "-n", SYSTEM, "-l", operator, "--wait=false")
