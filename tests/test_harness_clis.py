@@ -44,7 +44,7 @@ import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
 from proxy_servers import metric_value
-from vllm_fixtures import TOOL_SERVER_ARGS, VLLM_START_TIMEOUT_S, VllmServer, proxy_in_front, start_vllm
+from vllm_fixtures import proxy_in_front
 
 from harnessrl.store import CallStatus, TraceStore
 from harnessrl.trainer.rows import merge_calls_into_rows
@@ -54,10 +54,6 @@ pytest_plugins = ["vllm_fixtures"]
 pytestmark = [pytest.mark.harness_cli]
 
 ROOT = Path(__file__).resolve().parents[1]
-CLI_MAX_MODEL_LEN = 65536
-# Every tool's arguments constrained to its schema, as if it were strict: Claude Code's Agent tool validates
-# its input, which a random model's free JSON never passes.
-CLI_SERVER_ARGS = [*TOOL_SERVER_ARGS, "--tool-strict-level", "parameter"]
 CLI_TIMEOUT_S = 600
 # Claude Code's tools that execute or reach out; what is left reads (Read, Glob, Grep) or plans (Agent, ...).
 CLAUDE_DISALLOWED = "Bash Edit Write NotebookEdit WebFetch WebSearch KillShell BashOutput"
@@ -73,32 +69,6 @@ def clis() -> dict[str, Path]:
     done = subprocess.run([str(ROOT / "scripts" / "harness-clis.sh")], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, f"scripts/harness-clis.sh failed:\n{done.stderr[-3000:]}"
     return {name: Path(path) for name, path in (line.split(" ", 1) for line in done.stdout.splitlines())}
-
-
-@pytest.fixture(scope="module")
-def cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from harnessrl.tiny_model import TinyModelConfig, build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("cli-model") / "model",
-                            TinyModelConfig(max_position_embeddings=CLI_MAX_MODEL_LEN))
-
-
-@pytest.fixture(scope="module")
-def cli_server(cli_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """A tool server (hermes parser, render/generate/derender, strict arguments) with a 64k context;
-    ``HARNESSRL_TEST_VLLM_CLI_URL`` points at one already running (the tiny model with 65536 positions, seed 0,
-    served as "tiny", ``CLI_SERVER_ARGS``)."""
-    external = os.environ.get("HARNESSRL_TEST_VLLM_CLI_URL")
-    if external:
-        yield VllmServer(external.rstrip("/"), "tiny", cli_model, None)
-        return
-    server = start_vllm(cli_model, tmp_path_factory.mktemp("cli-vllm") / "vllm.log", served_name="tiny",
-                        max_model_len=CLI_MAX_MODEL_LEN, extra_args=CLI_SERVER_ARGS, timeout_s=VLLM_START_TIMEOUT_S,
-                        cpu=True)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

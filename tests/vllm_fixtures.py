@@ -124,6 +124,36 @@ def reasoning_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
                          tiny_model_dir, tmp_path_factory)
 
 
+# A function-calling deployment for agents whose tools are not marked strict, on a weak model forced to call them:
+# every tool's arguments pinned to its schema (``--tool-strict-level parameter``, as if each were strict), so a
+# forced call is valid and the harness runs it; a 64k context for long agent prompts (Claude Code's is about 29k
+# tokens of the tiny tokenizer).
+STRICT_TOOL_SERVER_ARGS = [*TOOL_SERVER_ARGS, "--tool-strict-level", "parameter"]
+LONG_MAX_MODEL_LEN = 65536
+
+
+@pytest.fixture(scope="session")
+def cli_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model (seed 0) with ``LONG_MAX_MODEL_LEN`` positions, built once per session."""
+    from harnessrl.tiny_model import TinyModelConfig, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("cli-model") / "model",
+                            TinyModelConfig(max_position_embeddings=LONG_MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="module")
+def cli_server(cli_model: Path, tmp_path_factory: pytest.TempPathFactory) -> VllmServer:
+    """A server with ``STRICT_TOOL_SERVER_ARGS`` and a 64k context (shared: the CLI tests and mini-swe-agent's);
+    ``HARNESSRL_TEST_VLLM_CLI_URL`` points at one already running (``cli_model``, served as "tiny")."""
+    external = os.environ.get("HARNESSRL_TEST_VLLM_CLI_URL")
+    if external:
+        return VllmServer(external.rstrip("/"), SERVED_NAME, cli_model, None)
+    return SHARED_SERVERS.get("cli_server", lambda: start_vllm(
+        cli_model, tmp_path_factory.mktemp("cli_server") / "vllm.log", served_name=SERVED_NAME,
+        max_model_len=LONG_MAX_MODEL_LEN, extra_args=STRICT_TOOL_SERVER_ARGS, timeout_s=VLLM_START_TIMEOUT_S,
+        cpu=True))
+
+
 @contextmanager
 def proxy_in_front(server: VllmServer, tmp_path: Path, run: str, sampling: dict[str, Any], **config: Any
                    ) -> Iterator[tuple[TraceStore, Any]]:
