@@ -127,7 +127,7 @@ class Apis:
         from kubernetes.client.exceptions import ApiException
 
         released = []
-        apps, batch = client.AppsV1Api(self.core.api_client), client.BatchV1Api(self.core.api_client)
+        apps = client.AppsV1Api(self.core.api_client)
         try:
             # The answer's status still counts the replicas the patch is about to remove (none after a restart).
             scaled = apps.patch_namespaced_deployment(
@@ -138,18 +138,12 @@ class Apis:
         except ApiException as exc:
             if exc.status != 404:
                 raise
-        try:
-            batch.delete_namespaced_job(
-                naming.learner_name(run), namespace, body={"propagationPolicy": "Background"}
-            )
+        if self.delete_job(namespace, naming.learner_name(run)):
             released.append(f"deleted Job {naming.learner_name(run)}")
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
         return released
 
-    def delete_job(self, namespace: str, name: str) -> None:
-        """Delete a Job and, in the background, its pods (gone already: they failed)."""
+    def delete_job(self, namespace: str, name: str) -> bool:
+        """Delete a Job and, in the background, its pods; False when it was gone already."""
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
@@ -160,6 +154,8 @@ class Apis:
         except ApiException as exc:
             if exc.status != 404:
                 raise
+            return False
+        return True
 
     def delete_pods(self, namespace: str, label_selector: str) -> None:
         self.core.delete_collection_namespaced_pod(
