@@ -361,3 +361,15 @@ def test_the_postgres_entrypoint_initialises_the_database_the_chart_asks_for(tmp
         assert "initialised" not in (folder / "server-1.log").read_text()
     finally:
         subprocess.run(["rm", "-rf", str(folder)], check=False)
+
+
+def test_a_full_disk_is_named_with_the_free_space_and_the_way_to_free_it() -> None:
+    """A build or import that fills the disk (the learner image needs its 6 GB again for podman's temporary copy)
+    says so, how much is free where, and what frees podman's space; any other failure is passed on as it is."""
+    from harnessrl.devcluster.images import _failed
+
+    full = str(_failed("podman save of x", "Error: reading blob sha256:e9: write /var/tmp/245: no space left on device"))
+    assert full.startswith("images: podman save of x failed: Error: reading blob")
+    assert re.search(r"\d+\.\d GiB free at /var/lib/containers", full) and "podman image prune" in full
+    other = str(_failed("import of x into containerd", "ctr: content digest sha256:1: not found\n"))
+    assert other == "images: import of x into containerd failed: ctr: content digest sha256:1: not found"

@@ -1,7 +1,7 @@
 """The images `scripts/kube.sh images` builds, as the real node's containerd takes and runs them.
 
 A private containerd (its own root, state and socket under /tmp; never the system's or the node's) imports the
-archives and runs the images with runc: `podman run` cannot set its rlimits on these machines, containerd's
+images from podman and runs the images with runc: `podman run` cannot set its rlimits on these machines, containerd's
 defaults can. The builds are cached (scripts/test.sh builds them before pytest), so this test only builds what
 changed. The node itself runs them through the chart and the operator in test_real_node.
 """
@@ -24,7 +24,7 @@ import psycopg
 import pytest
 
 from harnessrl.devcluster.images import (
-    ARCHIVE_LABEL,
+    INPUTS_LABEL,
     BASE_REF,
     Built,
     Image,
@@ -155,15 +155,19 @@ def test_the_python_images_run_their_commands(built: dict[str, Built], container
 
 def test_import_takes_each_image_once_under_its_references(built: dict[str, Built], containerd: str) -> None:
     """The chart's default PostgreSQL reference comes with the image; a second import skips what containerd
-    holds from the same archive, and an image whose inputs changed (another archive) is imported again."""
+    holds from the same inputs, an image whose inputs changed (another label) is imported again, and no archive
+    of it is left on disk (podman's store is the cache)."""
     postgres = built["postgres"]
     refs = [postgres.image.ref, *postgres.image.aliases]
     assert postgres.image.aliases, "the chart's default PostgreSQL reference"
     assert import_images(CTR, containerd, NAMESPACE, built=[postgres], log=lambda _: None) == refs
     assert set(refs) <= set(_ctr(containerd, "images", "ls", "-q").stdout.split())
     assert import_images(CTR, containerd, NAMESPACE, built=[postgres], log=lambda _: None) == []
-    _ctr(containerd, "images", "label", refs[-1], f"{ARCHIVE_LABEL}=postgres-0000000000000000.tar")
+    _ctr(containerd, "images", "label", refs[-1], f"{INPUTS_LABEL}=postgres-0000000000000000")
     assert import_images(CTR, containerd, NAMESPACE, built=[postgres], log=lambda _: None) == refs
+    labels = _ctr(containerd, "images", "ls").stdout
+    assert labels.count(f"{INPUTS_LABEL}={postgres.key}") == len(refs)
+    assert not list(images_dir().glob("postgres-*.tar"))
 
 
 def test_the_postgres_image_serves_the_database_the_chart_asks_for(built: dict[str, Built], containerd: str) -> None:

@@ -76,8 +76,8 @@ def up(nodes: int | None, port: int | None, real_node: bool) -> None:
 @main.command()
 @click.argument("names", nargs=-1)
 def images(names: tuple[str, ...]) -> None:
-    """Build the images the chart and operator run (all, or NAMES) from images/ with podman, cached by their
-    inputs under ~/.cache/harnessrl/images; with a real node up, import them into its containerd."""
+    """Build the images the chart and operator run (all, or NAMES) from images/ with podman, cached in podman's
+    store by their inputs; with a real node up, import them into its containerd."""
     built = ensure_images(names or None, _say)
     for item in built:
         took = f"built in {item.seconds:.0f} s" if item.seconds else "cached"

@@ -7,9 +7,11 @@ venv, pip, CA certificates) stands in through each Dockerfile's base-image build
 their registry bases as defaults. Builds reach PyPI through this machine's TLS-intercepting egress, so the
 host's CA bundle and pip configuration are mounted into every build step, never copied into an image.
 
-Each image is cached as a docker-archive under ``~/.cache/harnessrl/images/``, named by a digest of its inputs
-(the Dockerfile, the build arguments, the base and the build context files the root ``.dockerignore`` lets
-in): a warm run builds nothing, and a change to any input rebuilds only the images it feeds.
+Podman's own store is the cache: each image carries a label with a digest of its inputs (the Dockerfile, the
+build arguments, the base and the build context files the root ``.dockerignore`` lets in), so a warm run builds
+nothing and a change to any input rebuilds only the images it feeds. Images go into containerd straight from
+podman (``podman save | ctr images import -``), never through archives kept on disk: the learner and vLLM images
+are 6-7 GB each, and a second copy of every image under the cache once filled a CI machine's disk mid-build.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -37,8 +40,11 @@ from harnessrl.operator.config import IMAGE_REPOSITORY
 BASE_REF = "localhost/harnessrl/debian-base:bookworm"
 BASE_PACKAGES = ("python3", "python3-venv", "python3-pip", "ca-certificates")
 _BASE_RECIPE = "1"  # bump when the base's packages or fix-ups change
-# On each image in containerd: the archive (and so the inputs) it came from.
-ARCHIVE_LABEL = "harnessrl.dev/archive"
+# On each image, in podman and in containerd: its name and the digest of its inputs ("learner-cpu-<16 hex>").
+INPUTS_LABEL = "harnessrl.dev/inputs"
+# Below this much free space where podman keeps its store and its temporary copies, a build or an import is
+# likely to fail half-way (saving the 6 GB learner image needs its size again in /var/tmp); warned up front.
+LOW_DISK_BYTES = 12 * 2**30
 
 
 class ImageError(RuntimeError):
@@ -113,8 +119,37 @@ def _podman(log: Callable[[str], None] = print) -> str:
 
 
 def _image_id(podman: str, ref: str) -> str | None:
-    result = _run([podman, "image", "inspect", "--format", "{{.Id}}", ref])
+    return _inspect(podman, ref, "{{.Id}}")
+
+
+def _inspect(podman: str, ref: str, template: str) -> str | None:
+    result = _run([podman, "image", "inspect", "--format", template, ref])
     return result.stdout.strip() or None if result.returncode == 0 else None
+
+
+def _free_space() -> str:
+    """Free space where builds and imports write (podman's store, its temporary copies, containerd's store under
+    the cache): the words an error or warning about the disk needs."""
+    places = {}
+    for place in ("/var/lib/containers", "/var/tmp", str(cache_root())):
+        path = Path(place)
+        while not path.exists():
+            path = path.parent
+        places.setdefault(path.stat().st_dev, (place, shutil.disk_usage(path).free))
+    return ", ".join(f"{free / 2**30:.1f} GiB free at {place}" for place, free in places.values())
+
+
+def _low_disk() -> bool:
+    return any(shutil.disk_usage(p).free < LOW_DISK_BYTES for p in ("/var/tmp", "/var/lib") if Path(p).exists())
+
+
+def _failed(what: str, output: str) -> ImageError:
+    """One line for a failed podman or ctr step; when the disk filled, how much is free and what to remove."""
+    message = f"images: {what} failed: {output.strip()[-300:]}"
+    if "no space left on device" in output.lower():
+        message += (f" ({_free_space()}; `podman image prune` and `podman system prune` free podman's unused"
+                    " images and build cache)")
+    return ImageError(message)
 
 
 # --- the local base ---------------------------------------------------------------------------------------
@@ -230,13 +265,14 @@ def input_digest(image: Image, base_id: str, root: Path | None = None) -> str:
 @dataclass(frozen=True)
 class Built:
     image: Image
-    archive: Path
+    key: str  # its name and inputs digest, the INPUTS_LABEL value it carries in podman and containerd
     seconds: float  # this call's build time (0 when the cache had it)
     size_bytes: int
 
 
 def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None] = print) -> list[Built]:
-    """Build (or take from the cache) each image; returns them with their archives."""
+    """Build each image whose inputs changed since podman's copy was built (or that podman lacks); returns them
+    all, with the key their inputs give."""
     wanted = [image for image in IMAGES if names is None or image.name in set(names)]
     unknown = set(names or ()) - {image.name for image in IMAGES}
     if unknown:
@@ -245,33 +281,40 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
     podman = _podman(log)
     base_id = ensure_base(log)
     root = repo_root()
+    _remove_archives(log)
     built = []
     for image in wanted:
-        archive = images_dir() / f"{image.name}-{input_digest(image, base_id, root)}.tar"
+        key = f"{image.name}-{input_digest(image, base_id, root)}"
         seconds = 0.0
-        if not archive.exists():
+        if _inspect(podman, image.ref, f'{{{{index .Labels "{INPUTS_LABEL}"}}}}') != key:
+            if _low_disk():
+                log(f"images: warning: the disk is nearly full ({_free_space()}); {image.name} may not fit")
             started = time.monotonic()
-            build(image, root, log)
-            partial = archive.with_suffix(f".{os.getpid()}.partial")  # two builds at once never share one
-            result = _run([podman, "save", "--format", "docker-archive", "-o", str(partial), image.ref])
-            if result.returncode != 0:
-                raise ImageError(f"images: saving {image.ref} failed: {result.stderr.strip()}")
-            partial.rename(archive)
-            for stale in images_dir().glob(f"{image.name}-{'[0-9a-f]' * 16}.tar"):
-                if stale != archive:
-                    stale.unlink()
+            build(image, root, log, key)
             # The image this one replaced stays in podman's store untagged (GiBs for the learner and vLLM;
             # disk, not CPU, is what runs out first on a CI machine); the build cache's layers stay.
             _run([podman, "image", "prune", "--force"])
             seconds = time.monotonic() - started
-            log(f"images: {image.name} built in {seconds:.0f} s ({archive.stat().st_size / 2**20:.0f} MiB)")
-        built.append(Built(image, archive, seconds, archive.stat().st_size))
+        size = int(_inspect(podman, image.ref, "{{.Size}}") or 0)
+        if seconds:
+            log(f"images: {image.name} built in {seconds:.0f} s ({size / 2**20:.0f} MiB)")
+        built.append(Built(image, key, seconds, size))
     return built
 
 
-def build(image: Image, root: Path | None = None, log: Callable[[str], None] = print) -> None:
-    """``podman build`` of one image from ``root`` (the repository), tagged with its reference; a failure
-    raises ImageError naming the image, the failing step and the build log."""
+def _remove_archives(log: Callable[[str], None]) -> None:
+    """Earlier versions cached each image as a docker-archive under the cache folder (14 GB for the six, beside
+    podman's store): removed, so a machine that ran them gets that space back."""
+    for image in IMAGES:
+        for stale in (*images_dir().glob(f"{image.name}-{'[0-9a-f]' * 16}.tar"),
+                      *images_dir().glob(f"{image.name}-{'[0-9a-f]' * 16}.*.partial")):
+            log(f"images: removing {stale.name} (images are no longer kept as archives)")
+            stale.unlink(missing_ok=True)
+
+
+def build(image: Image, root: Path | None = None, log: Callable[[str], None] = print, key: str | None = None) -> None:
+    """``podman build`` of one image from ``root`` (the repository), tagged with its reference and labelled with
+    ``key``; a failure raises ImageError naming the image, the failing step and the build log."""
     podman = _podman(log)
     root = root or repo_root()
     log(f"images: building {image.ref} from {image.dockerfile} ...")
@@ -280,13 +323,18 @@ def build(image: Image, root: Path | None = None, log: Callable[[str], None] = p
     for host_file in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf"):
         if Path(host_file).exists():  # the egress CA for pip and apt, mounted for the build only
             command += ["-v", f"{host_file}:{host_file}:ro"]
+    if key:
+        command += ["--label", f"{INPUTS_LABEL}={key}"]
     if image.target:
         command += ["--target", image.target]
     for key, value in image.args.items():
         command += ["--build-arg", f"{key}={value}"]
     result = _run([*command, "."], log_path, cwd=root)
     if result.returncode != 0:
-        raise ImageError(f"images: {image.name} failed at {_failing_step(log_path)}; log: {log_path}")
+        disk = ""
+        if "no space left on device" in log_path.read_text(errors="replace").lower():
+            disk = f" (the disk filled: {_free_space()})"
+        raise ImageError(f"images: {image.name} failed at {_failing_step(log_path)}{disk}; log: {log_path}")
 
 
 def _failing_step(log_path: Path) -> str:
@@ -308,12 +356,13 @@ def import_images(
     built: list[Built] | None = None,
     log: Callable[[str], None] = print,
 ) -> list[str]:
-    """Import the image archives (all images, built or cached, unless ``built`` names some) into the containerd
-    at ``address``, where kubelet finds them, each under its reference and its aliases; returns the references
-    imported. An image whose references all carry the label naming its archive (so its inputs) is skipped: the
-    record lives in containerd's own store, so a store kept across node restarts imports nothing again and a
-    new store imports everything."""
+    """Import the images (all, built or cached, unless ``built`` names some) from podman into the containerd at
+    ``address``, where kubelet finds them, each under its reference and its aliases; returns the references
+    imported. An image whose references all carry its inputs label is skipped: the record lives in containerd's
+    own store, so a store kept across node restarts imports nothing again and a new store imports everything.
+    The references an image replaces are removed first, so containerd's garbage collector frees their layers."""
     built = ensure_images(log=log) if built is None else built
+    podman = _podman(log)
     command = [ctr, "--address", address, "-n", namespace, "images"]
     listing = _run([*command, "ls"], timeout=120)
     if listing.returncode != 0:
@@ -322,24 +371,41 @@ def import_images(
     imported = []
     for item in built:
         refs = (item.image.ref, *item.image.aliases)
-        if all(labels.get(ref, {}).get(ARCHIVE_LABEL) == item.archive.name for ref in refs):
+        if all(labels.get(ref, {}).get(INPUTS_LABEL) == item.key for ref in refs):
             continue
         started = time.monotonic()
-        steps = [
-            ["import", str(item.archive)],
-            *(["tag", "--force", item.image.ref, alias] for alias in item.image.aliases),
-            *(["label", ref, f"{ARCHIVE_LABEL}={item.archive.name}"] for ref in refs),
-        ]
-        for step in steps:
-            result = _run([*command, *step], timeout=1800)
+        stale = [ref for ref in refs if ref in labels]
+        if stale:
+            _run([*command, "rm", *stale], timeout=600)
+        _stream_into_containerd(podman, item.image.ref, [*command, "import", "-"])
+        for step in (*(["tag", "--force", item.image.ref, alias] for alias in item.image.aliases),
+                     *(["label", ref, f"{INPUTS_LABEL}={item.key}"] for ref in refs)):
+            result = _run([*command, *step], timeout=600)
             if result.returncode != 0:
-                raise ImageError(
-                    f"images: {step[0]} of {item.image.ref} into containerd at {address} failed: "
-                    f"{(result.stderr or result.stdout).strip()[:300]}"
-                )
+                raise _failed(f"{step[0]} of {item.image.ref} into containerd at {address}",
+                              result.stderr or result.stdout)
         imported += refs
         log(f"images: imported {item.image.ref} in {time.monotonic() - started:.0f} s")
     return imported
+
+
+def _stream_into_containerd(podman: str, ref: str, ctr_import: list[str]) -> None:
+    """``podman save`` piped into ``ctr images import -``: no archive on disk beside the two stores."""
+    with tempfile.TemporaryFile() as save_errors:
+        save = subprocess.Popen([podman, "save", "--format", "docker-archive", ref], stdout=subprocess.PIPE,
+                                stderr=save_errors)
+        assert save.stdout is not None
+        try:
+            result = subprocess.run(ctr_import, stdin=save.stdout, capture_output=True, text=True, timeout=1800)
+        finally:
+            save.stdout.close()  # ctr gone: podman sees a broken pipe instead of blocking
+            saved = save.wait(timeout=600)
+        save_errors.seek(0)
+        errors = save_errors.read().decode(errors="replace")
+    if saved != 0:
+        raise _failed(f"podman save of {ref}", errors)
+    if result.returncode != 0:
+        raise _failed(f"import of {ref} into containerd", result.stderr or result.stdout)
 
 
 def _image_labels(listing: str) -> dict[str, dict[str, str]]:
