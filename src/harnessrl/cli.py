@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "operator": "harnessrl.operator.commands:operator_command",
     "proxy": "harnessrl.proxy.commands:proxy_command",
     "run": "harnessrl.local.commands:run_command",
+    "search": "harnessrl.search.commands:search_group",
     "status": "harnessrl.local.commands:status_command",
     "swe": "harnessrl.swe.commands:swe_group",
     "tiny-model": "harnessrl.tiny_model:tiny_model_command",

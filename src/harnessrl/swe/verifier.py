@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,10 +96,11 @@ def post_reward(url: str, token: str, verdict: Verdict) -> None:
         response.read()
 
 
-def verify_from_environment() -> int:
-    """``harnessrl swe verify`` under the verifier contract: task file, workspace, reward URL and token."""
+def verify_from_environment(score: Callable[[dict, Path], Verdict] | None = None) -> int:
+    """``harnessrl swe verify`` (or another example's ``score``, e.g. ``harnessrl search verify``) under the
+    verifier contract: task file, workspace, reward URL and token."""
     task = json.loads(Path(os.environ["HARNESSRL_TASK_FILE"]).read_text())["data"]
-    verdict = verify(task, Path(os.environ["HARNESSRL_WORKSPACE"]))
+    verdict = (score or verify)(task, Path(os.environ["HARNESSRL_WORKSPACE"]))
     print(json.dumps({"reward": verdict.reward, **verdict.info}), flush=True)
     url, token = os.environ.get("HARNESSRL_REWARD_URL"), os.environ.get("HARNESSRL_REWARD_TOKEN")
     if url and token:
