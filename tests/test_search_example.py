@@ -65,7 +65,10 @@ def test_bm25_finds_the_first_hop_from_the_question_and_nothing_for_unknown_word
     index = SearchIndex.from_file(EXAMPLE / "corpus.jsonl")
     for task in tasks():
         assert index.search(task["data"]["question"], 1)[0]["id"] == task["data"]["supporting"][0]
-    assert index.search("zzzz qqqq") == [] and index.search("the of a") == []
+    assert index.search("zzzz qqqq") == [] and index.search("the of a") == [] and index.search("") == []
+    # a one-word query (its one token id is 0) and unknown words beside a known one
+    assert [d["text"].split(" is a ")[0] for d in index.search("zzzz born", 3)] == [
+        d["title"] for d in index.search("born", 3)] and len(index.search("born", 3)) == 3
 
 
 def test_reward_is_squad_token_f1_with_exact_match_beside_it(tmp_path):

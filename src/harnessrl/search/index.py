@@ -22,7 +22,7 @@ class SearchIndex:
     def search(self, query: str, k: int = 3) -> list[dict]:
         """The ``k`` best documents, best first; none when no query word is in the corpus."""
         tokens = bm25s.tokenize([query], stopwords="en", show_progress=False)
-        if not any(tokens.ids[0]):
+        if not tokens.ids[0]:
             return []
         ids, scores = self._retriever.retrieve(tokens, k=min(k, len(self.documents)), show_progress=False)
         return [self.documents[i] for i, score in zip(ids[0], scores[0], strict=True) if score > 0]
