@@ -12,6 +12,10 @@ mutating webhook adds, built by the same code as the operator's harness pods (``
 - ``OPENAI_BASE_URL`` and ``HARNESSRL_REWARD_URL`` of the proxy in every regular container, each unless the
   container's ``env`` already names it: a container's own explicit value wins. A value from ``envFrom`` is
   not seen, and the injected ``env`` entry takes precedence over it (Kubernetes' rule);
+- ``terminationGracePeriodSeconds`` raised to the operator's harness pods' (``TERMINATION_GRACE_SECONDS``) when
+  the pod asks for less (Kubernetes' default is 30 s): a proxy whose pod ends while the store is down keeps
+  flushing its spool for up to ``PROXY_FLUSH_SECONDS`` and is killed at the grace period, losing what is left.
+  A proxy with nothing left to store exits at once, so the longer grace costs a pod nothing;
 - the annotation ``harnessrl.io/proxy-injected: "true"``.
 
 Idempotent: a pod that has the annotation or an init container named ``proxy`` is left as it is, and pods the
@@ -54,7 +58,7 @@ import kopf
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.naming import COMPONENT_LABEL, MANAGED_BY, RUN_LABEL
 from harnessrl.operator.render_common import env, env_from_field, merge_env
-from harnessrl.operator.render_harness import PROXY_CONTAINER, proxy_container
+from harnessrl.operator.render_harness import PROXY_CONTAINER, TERMINATION_GRACE_SECONDS, proxy_container
 from harnessrl.scheduler import Launch
 from harnessrl.spec.models import API_VERSION, GROUP, KIND, VERSION, TrainingRun
 from harnessrl.spec.problems import InvalidSpec, parse_training_run
@@ -204,12 +208,14 @@ def pod_patch(
         own = container.get("env") or []
         names = {var.get("name") for var in own}
         containers.append({**container, "env": merge_env(own, [v for v in wanted if v["name"] not in names])})
+    grace = spec.get("terminationGracePeriodSeconds")
     return {
         "metadata": {"annotations": {INJECTED_ANNOTATION: "true"}},
         "spec": {
             "initContainers": [proxy, *copy.deepcopy(spec.get("initContainers") or [])],
             "containers": containers,
             "volumes": [*volumes, {"name": SPOOL_VOLUME, "emptyDir": {}}],
+            "terminationGracePeriodSeconds": max(TERMINATION_GRACE_SECONDS, grace or 0),
         },
     }
 

@@ -24,6 +24,7 @@ from kopf.testing import KopfRunner
 from harnessrl.devcluster import Cluster
 from harnessrl.operator.config import OperatorConfig
 from harnessrl.operator.naming import COMPONENT_LABEL, HARNESS, RUN_LABEL
+from harnessrl.operator.render_harness import PROXY_FLUSH_SECONDS, TERMINATION_GRACE_SECONDS
 from harnessrl.operator.webhook import (
     INJECTED_ANNOTATION,
     INJECTION_ANNOTATION,
@@ -169,6 +170,8 @@ def test_opted_in_pods_get_exactly_one_proxy_and_the_configuration_fails_open(
         assert proxy_env["HARNESSRL_PROXY_PORT"] == "8123"
         assert proxy["startupProbe"]["exec"]["command"][0] == "python3"
         assert {"name": SPOOL_VOLUME, "emptyDir": {}} in pod["spec"]["volumes"]
+        # The pod asked for nothing (the API server's default is 30 s): the proxy's flush gets the harness pods'.
+        assert pod["spec"]["terminationGracePeriodSeconds"] == TERMINATION_GRACE_SECONDS
         agent, tool = pod["spec"]["containers"]
         assert env_of(agent) == {
             "A": "1",
@@ -294,6 +297,18 @@ def test_pod_patch_skips_with_the_fix_when_it_cannot_inject() -> None:
     taken["spec"]["volumes"] = [{"name": SPOOL_VOLUME, "emptyDir": {}}]
     note = pod_patch(taken, "swe", run_doc(), config)["metadata"]["annotations"][INJECTION_ANNOTATION]
     assert "rename it" in note
+
+
+def test_the_grace_period_leaves_the_proxy_its_flush_and_keeps_a_longer_one() -> None:
+    """A proxy whose pod ends during a store outage flushes its spool for up to PROXY_FLUSH_SECONDS: a pod
+    asking for less grace (30 s by default) gets the harness pods' grace; one asking for more keeps it."""
+    for asked, granted in ((None, TERMINATION_GRACE_SECONDS), (30, TERMINATION_GRACE_SECONDS), (3600, 3600)):
+        pod = agent_pod("a", "swe")
+        if asked is not None:
+            pod["spec"]["terminationGracePeriodSeconds"] = asked
+        patch = pod_patch(pod, "swe", run_doc(), OperatorConfig())
+        assert patch["spec"]["terminationGracePeriodSeconds"] == granted
+    assert TERMINATION_GRACE_SECONDS > PROXY_FLUSH_SECONDS
 
 
 def test_policy_version_and_operator_store_come_from_the_run_and_config() -> None:
