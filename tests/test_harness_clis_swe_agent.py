@@ -2,12 +2,14 @@
 in its own environment), through a train-mode capture proxy, then the verifier on the tree it left.
 
 The server is the CLI tests' (``cli_server``: hermes, every tool's arguments pinned to its schema, a 64k context;
-this module's name puts it beside test_harness_clis.py so the shared server starts once). The random model is
-steered through the proxy's sampling override: ``tool_choice`` required, so every answer is a valid ``bash``
-call whose ``command`` is a few random tokens. What must hold: mini-swe-agent runs every command in the sandbox
-(``harnessrl swe sandbox``, its bubblewrap environment's executable) and keeps each call in its history, so the
-calls of a rollout are one training row as the learner builds it; every call is stored with its log-probs; the
-verifier scores the untouched bug 0.
+this module's name puts it beside test_harness_clis.py so the shared server starts once). The harness runs with
+the example's ``--tool-choice bash`` (in mini-swe-agent's own config: every call names its tool), and the random
+model is steered through the proxy's sampling override (test only: a logit bias towards the string's end and the
+answer's), so every answer is a valid ``bash`` call whose ``command`` is a few random tokens. What must hold:
+mini-swe-agent sends the tool choice on every call, runs every command in the sandbox (``harnessrl swe sandbox``,
+its bubblewrap environment's executable) and keeps each call in its history, so the calls of a rollout are one
+training row as the learner builds it; every call is stored with its log-probs; the verifier scores the untouched
+bug 0.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def test_mini_swe_agent_runs_the_models_commands_in_the_sandbox_as_one_row(mini,
     stop = str(tokenizer.convert_tokens_to_ids("<|im_end|>"))
     quote = str(tokenizer.encode('"')[0])
     # The string's end weighted a little, so a command is a few tokens; the answer ends after the call.
-    sampling = {"temperature": 1.0, "tool_choice": "required", "logit_bias": {stop: 100, quote: 6}}
+    sampling = {"temperature": 1.0, "logit_bias": {stop: 100, quote: 6}}
     task = min((json.loads(line) for line in (EXAMPLE / "tasks.jsonl").read_text().splitlines()),
                key=lambda row: len(row["data"]["problem_statement"]))
     workspace = tmp_path / "workspace"
@@ -76,8 +78,8 @@ def test_mini_swe_agent_runs_the_models_commands_in_the_sandbox_as_one_row(mini,
                "OPENAI_BASE_URL": f"{proxy.url}/rollouts/{rollout}/attempts/0/v1",
                "HARNESSRL_MODEL_NAME": cli_server.model, "HARNESSRL_MINI_SWE_AGENT": str(mini)}
         done = subprocess.run([sys.executable, str(EXAMPLE / "harness.py"), "--step-limit", str(STEPS),
-                               "--command-timeout", str(COMMAND_TIMEOUT_S)], env=env, capture_output=True,
-                              text=True, timeout=600, check=False)
+                               "--command-timeout", str(COMMAND_TIMEOUT_S), "--tool-choice", "bash"], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         proxy.flush(60)
         calls = store.read_calls(rollout, 0)
@@ -88,6 +90,7 @@ def test_mini_swe_agent_runs_the_models_commands_in_the_sandbox_as_one_row(mini,
     assert trajectory["info"]["model_stats"]["api_calls"] == len(calls) == STEPS
     assert all(call.status is CallStatus.OK and len(call.logprobs) == len(call.completion_token_ids) > 0
                for call in calls)
+    assert all(call.request["tool_choice"] == {"type": "function", "function": {"name": "bash"}} for call in calls)
     environment = trajectory["info"]["config"]["environment"]
     assert environment["executable"] == str(HARNESSRL) and environment["wrapper_args"][:2] == ["swe", "sandbox"]
     # Each command the model wrote (as the proxy stored it) was run, and what mini-swe-agent observed is what the

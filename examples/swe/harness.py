@@ -7,7 +7,9 @@ What it does for one rollout (the pod/process contract: task file, ``OPENAI_BASE
    statement, with its model on ``OPENAI_BASE_URL`` (litellm's ``openai/`` provider: function calling with its
    one ``bash`` tool) and its bubblewrap environment, whose executable is ``harnessrl swe sandbox``: every
    command the model writes runs there, in the repository copy, with no network, a time limit, and memory and
-   process limits. Nothing the model writes runs on the host.
+   process limits. Nothing the model writes runs on the host. ``--tool-choice`` sets the ``tool_choice`` of its
+   calls through its own config (``model_kwargs``, sent on every call); the proxy forces sampling fields only,
+   since when to force a tool is the harness's choice (an agent library may force one call and not the next).
 3. Exits. The reward is the verifier's (``harnessrl swe verify``, spec.harness.verifier): this process never
    sees the reward URL or its token.
 
@@ -39,10 +41,25 @@ def load_task() -> dict:
     return json.loads(Path(path).read_text() if path else os.environ["HARNESSRL_TASK"])
 
 
+# mini-swe-agent's one tool (its ``BASH_TOOL``); ``--tool-choice bash`` names it.
+AGENT_TOOL = "bash"
+# ``--tool-choice`` -> the ``tool_choice`` every call of mini-swe-agent sends (its ``model_kwargs`` go to each
+# litellm call); ``auto`` sends none, so the server's default (auto) holds, as in mini-swe-agent's own config.
+TOOL_CHOICES: dict[str, object] = {
+    "auto": None,
+    "required": "required",
+    AGENT_TOOL: {"type": "function", "function": {"name": AGENT_TOOL}},
+}
+
+
 def agent_config(repository: Path, args: argparse.Namespace) -> dict:
     """mini-swe-agent's settings (merged over its own mini.yaml): no prompts, its bubblewrap environment with
-    harnessrl's sandbox as the executable, and the run's model on OPENAI_BASE_URL."""
+    harnessrl's sandbox as the executable, and the run's model on OPENAI_BASE_URL with ``--tool-choice``."""
     harnessrl = Path(sys.executable).with_name("harnessrl")
+    model_kwargs = {"api_base": os.environ["OPENAI_BASE_URL"],
+                    "api_key": os.environ.get("OPENAI_API_KEY", "harnessrl"), "num_retries": 0}
+    if TOOL_CHOICES[args.tool_choice] is not None:
+        model_kwargs["tool_choice"] = TOOL_CHOICES[args.tool_choice]
     return {
         "agent": {"agent_class": "default", "step_limit": args.step_limit, "cost_limit": 0,
                   "wall_time_limit_seconds": args.wall_time},
@@ -50,8 +67,7 @@ def agent_config(repository: Path, args: argparse.Namespace) -> dict:
             "model_class": "litellm",
             "model_name": f"openai/{os.environ.get('HARNESSRL_MODEL_NAME', 'policy')}",
             "cost_tracking": "ignore_errors",
-            "model_kwargs": {"api_base": os.environ["OPENAI_BASE_URL"],
-                             "api_key": os.environ.get("OPENAI_API_KEY", "harnessrl"), "num_retries": 0},
+            "model_kwargs": model_kwargs,
         },
         "environment": {
             "environment_class": "bubblewrap",
@@ -83,6 +99,9 @@ def main() -> int:
     parser.add_argument("--step-limit", type=int, default=10, help="model calls per rollout")
     parser.add_argument("--command-timeout", type=int, default=60, help="seconds per sandboxed command")
     parser.add_argument("--wall-time", type=int, default=0, help="seconds for the agent (0: the run's timeout)")
+    parser.add_argument("--tool-choice", choices=tuple(TOOL_CHOICES), default="auto",
+                        help="tool_choice of every call: auto (none sent), required (some tool call), or "
+                        f"{AGENT_TOOL} (a call of mini-swe-agent's one tool, decoded into its arguments' schema)")
     args = parser.parse_args()
     task = load_task()["data"]
     workspace = Path(os.environ["HARNESSRL_WORKSPACE"])
