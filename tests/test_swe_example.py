@@ -9,21 +9,17 @@ the library's real tests in a fresh sandbox."""
 from __future__ import annotations
 
 import json
-import sys
-import time
 from pathlib import Path
 
+import harness_modes
 import pytest
+from harness_modes import TOKEN
 from proxy_servers import loops, make_proxy, upstream  # noqa: F401 - pytest fixtures
 
-from harnessrl.local.processes import ProcessBackend
-from harnessrl.scheduler import Launch
 from harnessrl.store import RolloutState
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "swe"
-HARNESSRL = str(Path(sys.executable).with_name("harnessrl"))
-TOKEN = "verifier-only-0123456789abcdef"
 RUN = "swe-modes"
 
 
@@ -31,32 +27,9 @@ def tasks() -> list[dict]:
     return [json.loads(line) for line in (EXAMPLE / "tasks.jsonl").read_text().splitlines()]
 
 
-def run_mode(mode: str, chosen: list[dict], proxy, workdir: Path) -> dict[str, str | None]:
-    """Every chosen task once in ``mode``, all at once; returns each rollout's exit detail."""
-    def base(launch: Launch) -> str:
-        return f"{proxy.url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
-
-    backend = ProcessBackend(
-        [sys.executable, str(EXAMPLE / "harness.py"), "--mode", mode], workdir, cwd=EXAMPLE,
-        env_for=lambda launch: {"OPENAI_BASE_URL": base(launch)},
-        verifier=[HARNESSRL, "swe", "verify"],
-        verifier_env_for=lambda launch: {"HARNESSRL_REWARD_URL": f"{base(launch)}/reward",
-                                         "HARNESSRL_REWARD_TOKEN": TOKEN},
-    )
-    try:
-        for task in chosen:
-            backend.launch(Launch(RUN, f"{mode}-{task['id']}", 0, task["id"], task, 0, 600.0))
-        deadline = time.monotonic() + 600
-        while True:
-            ended = {e.rollout_id: (e.exit_code, e.detail) for e in backend.exits()}
-            if len(ended) == len(chosen):
-                break
-            assert time.monotonic() < deadline, f"still running: {backend.alive()}"
-            time.sleep(0.2)
-    finally:
-        backend.shutdown()
-    assert all(code == 0 for code, _ in ended.values()), ended
-    return ended
+def run_mode(mode: str, chosen: list[dict], proxy, workdir: Path) -> dict[str, tuple[int | None, str | None]]:
+    """Every chosen task once in ``mode``, all at once; returns each rollout's exit code and detail."""
+    return harness_modes.run_mode(EXAMPLE, ["swe", "verify"], RUN, mode, chosen, proxy, workdir, timeout_s=600.0)
 
 
 @pytest.mark.parametrize("store_url", ["sqlite"], indirect=True)
