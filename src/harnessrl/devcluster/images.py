@@ -19,7 +19,6 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -127,29 +126,37 @@ def _inspect(podman: str, ref: str, template: str) -> str | None:
     return result.stdout.strip() or None if result.returncode == 0 else None
 
 
-def _free_space() -> str:
-    """Free space where builds and imports write (podman's store, its temporary copies, containerd's store under
-    the cache): the words an error or warning about the disk needs."""
-    places = {}
+def _free_bytes() -> dict[str, int]:
+    """Free bytes where builds and imports write (podman's store, its temporary copies, containerd's store under
+    the cache), one entry per filesystem."""
+    places: dict[int, tuple[str, int]] = {}
     for place in ("/var/lib/containers", "/var/tmp", str(cache_root())):
         path = Path(place)
         while not path.exists():
             path = path.parent
         places.setdefault(path.stat().st_dev, (place, shutil.disk_usage(path).free))
-    return ", ".join(f"{free / 2**30:.1f} GiB free at {place}" for place, free in places.values())
+    return dict(places.values())
+
+
+def _free_space() -> str:
+    return ", ".join(f"{free / 2**30:.1f} GiB free at {place}" for place, free in _free_bytes().items())
 
 
 def _low_disk() -> bool:
-    return any(shutil.disk_usage(p).free < LOW_DISK_BYTES for p in ("/var/tmp", "/var/lib") if Path(p).exists())
+    return min(_free_bytes().values()) < LOW_DISK_BYTES
+
+
+def _disk_note(output: str) -> str:
+    """When a step's output says the disk filled: how much is free where, and what frees podman's space."""
+    if "no space left on device" not in output.lower():
+        return ""
+    return (f" ({_free_space()}; `podman image prune` and `podman system prune` free podman's unused images and"
+            " build cache)")
 
 
 def _failed(what: str, output: str) -> ImageError:
-    """One line for a failed podman or ctr step; when the disk filled, how much is free and what to remove."""
-    message = f"images: {what} failed: {output.strip()[-300:]}"
-    if "no space left on device" in output.lower():
-        message += (f" ({_free_space()}; `podman image prune` and `podman system prune` free podman's unused"
-                    " images and build cache)")
-    return ImageError(message)
+    """One line for a failed podman or ctr step, with the disk's state when it filled."""
+    return ImageError(f"images: {what} failed: {output.strip()[-300:]}{_disk_note(output)}")
 
 
 # --- the local base ---------------------------------------------------------------------------------------
@@ -331,9 +338,7 @@ def build(image: Image, root: Path | None = None, log: Callable[[str], None] = p
         command += ["--build-arg", f"{key}={value}"]
     result = _run([*command, "."], log_path, cwd=root)
     if result.returncode != 0:
-        disk = ""
-        if "no space left on device" in log_path.read_text(errors="replace").lower():
-            disk = f" (the disk filled: {_free_space()})"
+        disk = _disk_note(log_path.read_text(errors="replace"))
         raise ImageError(f"images: {image.name} failed at {_failing_step(log_path)}{disk}; log: {log_path}")
 
 
