@@ -67,7 +67,7 @@ from .protocol import (
 from .spool import Spool
 from .upstreams import UpstreamPool, UpstreamUnavailable
 from .versions import AdminPolicyVersion, PolicyVersionSource
-from .writer import CallItem, FinishItem, RewardItem, TraceSink, TraceWriter
+from .writer import CallItem, FinishItem, RewardItem, TraceSink, TraceWriter, UpstreamFailedItem
 
 log = logging.getLogger(__name__)
 
@@ -637,6 +637,8 @@ class CaptureProxy:
             status=CallStatus.ERROR,
             http_status=status,
         )
+        # behind the call, in order: the attempt's failure is then retried without using an attempt
+        self.writer.put(UpstreamFailedItem(x.who.rollout_id, x.who.attempt, x.who.run))
         return json_response(err, status)
 
     def _bad_upstream(self, x: Exchange, url: str, version: int, message: str) -> web.Response:

@@ -64,6 +64,8 @@ class TraceSink(Protocol):
         run: str | None = None,
     ) -> None: ...
 
+    def mark_upstream_failed(self, rollout_id: str, attempt: int, *, run: str | None = None) -> None: ...
+
     def release(self) -> None: ...
 
 
@@ -137,7 +139,18 @@ class FinishItem:
     run: str | None = None
 
 
-Item = CallItem | RewardItem | FinishItem
+@dataclass
+class UpstreamFailedItem:
+    """The LLM upstream failed one of the attempt's calls (unavailable or timed out): the attempt's failure is
+    retried without using one of ``harness.maxAttempts`` (``store.attempt_budget``). Queued and spooled like a
+    call, so the mark survives a store outage as the call it follows does; ``run`` as for ``RewardItem``."""
+
+    rollout_id: str
+    attempt: int
+    run: str | None = None
+
+
+Item = CallItem | RewardItem | FinishItem | UpstreamFailedItem
 
 ITEM_OVERHEAD_BYTES = 512
 BYTES_PER_TOKEN = 16  # its id and log-prob as captured, and its share of the answer's text
@@ -185,6 +198,8 @@ def item_to_json(item: Item) -> dict[str, Any]:
             "info": item.info,
             "run": item.run,
         }
+    if isinstance(item, UpstreamFailedItem):
+        return {"kind": "upstream_failed", "rollout_id": item.rollout_id, "attempt": item.attempt, "run": item.run}
     return {
         "kind": "finish",
         "rollout_id": item.rollout_id,
@@ -211,6 +226,8 @@ def item_from_json(data: Mapping[str, Any]) -> Item:
             data.get("reason"),
             data.get("run"),
         )
+    if kind == "upstream_failed":
+        return UpstreamFailedItem(data["rollout_id"], int(data["attempt"]), data.get("run"))
     raise ValueError(f"unknown spool item kind {kind!r}")
 
 
@@ -574,7 +591,7 @@ class TraceWriter:
         log.info("trace store answers again: spool %s replayed", self.spool.path)
 
     def _apply(self, items: list[Item], raws: list[bytes | None], tickets: list[int | None]) -> None:
-        """Write one group (consecutive calls, or one reward/finish); raises ``_Outage``."""
+        """Write one group (consecutive calls, or one other item); raises ``_Outage``."""
         try:
             self._apply_once(items)
         except Exception as exc:  # classified right below
@@ -627,6 +644,8 @@ class TraceWriter:
             self.metrics.batch_size.observe(len(records))
         elif isinstance(first, RewardItem):
             self.store.set_reward(first.rollout_id, first.attempt, first.value, first.info, run=first.run)
+        elif isinstance(first, UpstreamFailedItem):
+            self.store.mark_upstream_failed(first.rollout_id, first.attempt, run=first.run)
         else:
             self.store.finish_attempt(
                 first.rollout_id, first.attempt, first.state, first.reason, run=first.run
@@ -642,7 +661,7 @@ class TraceWriter:
 
 
 def _groups(entries: list[Any], key: Any = lambda e: e[1]) -> list[list[Any]]:
-    """Consecutive calls together (one add_calls); every reward, finish or unreadable line alone, in place."""
+    """Consecutive calls together (one add_calls); every other item or unreadable line alone, in place."""
     groups: list[list[Any]] = []
     for entry in entries:
         if isinstance(key(entry), CallItem) and groups and isinstance(key(groups[-1][-1]), CallItem):

@@ -77,6 +77,7 @@ def test_retries_run_out_and_the_last_error_passes_through(upstream, make_proxy,
     proxy.flush()
     [call] = store.read_calls("r-1", 0)
     assert call.status is CallStatus.ERROR and call.http_status == 503
+    assert not store.get_attempt("r-1", 0).upstream_failed  # the upstream answered: its error is the harness's
 
 
 def test_connection_refused_is_retried_then_reported_as_502(make_proxy, store):
@@ -92,6 +93,8 @@ def test_connection_refused_is_retried_then_reported_as_502(make_proxy, store):
     proxy.flush()
     [call] = store.read_calls("r-1", 0)
     assert call.status is CallStatus.ERROR and call.http_status == 502 and call.upstream == dead
+    # the attempt is marked: its failure is retried without using one of harness.maxAttempts
+    assert store.get_attempt("r-1", 0).upstream_failed
 
 
 def test_a_dead_pinned_upstream_fails_over_to_the_next(upstream, make_proxy, store):

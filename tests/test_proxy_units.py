@@ -35,6 +35,7 @@ from harnessrl.proxy.writer import (
     FinishItem,
     RewardItem,
     TraceWriter,
+    UpstreamFailedItem,
     item_bytes,
     item_from_json,
     item_to_json,
@@ -331,7 +332,8 @@ def test_records_round_trip_through_spool_json_bit_exactly():
         rec.request,
         rec.prompt_token_ids,
     )
-    for item in (RewardItem("r", 1, 0.5, {"a": 1}), FinishItem("r", 0, RolloutState.FAILED, "boom")):
+    for item in (RewardItem("r", 1, 0.5, {"a": 1}), FinishItem("r", 0, RolloutState.FAILED, "boom"),
+                 UpstreamFailedItem("r", 2, "run")):
         assert item_from_json(json.loads(json.dumps(item_to_json(item)))) == item
 
 
@@ -395,6 +397,7 @@ def test_writer_replays_a_spool_left_by_an_earlier_process(sqlite_store: TraceSt
     spool = Spool(tmp_path / "s.jsonl")
     spool.append([item_to_json(CallItem(c)) for c in calls] + [item_to_json(RewardItem("r", 0, 2.0))])
     spool.append([item_to_json(CallItem(calls[1]))])  # a duplicate replay is harmless
+    spool.append([item_to_json(UpstreamFailedItem("r", 0))])  # the mark outlives a store outage as calls do
     spool.close()
     writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics())
     writer.start()
@@ -405,6 +408,7 @@ def test_writer_replays_a_spool_left_by_an_earlier_process(sqlite_store: TraceSt
         sqlite_store.read_calls("r", 0)[3].call_id
     ]
     assert sqlite_store.get_attempt("r", 0).reward == 2.0
+    assert sqlite_store.get_attempt("r", 0).upstream_failed
 
 
 def test_the_queue_is_bounded_by_bytes_as_well_as_by_count(sqlite_store: TraceStore, tmp_path: Path):

@@ -18,6 +18,8 @@ from harnessrl.local.processes import ProcessBackend
 from harnessrl.rollout_ids import group_of
 from harnessrl.scheduler import RolloutScheduler, SchedulerSettings
 from harnessrl.store import RolloutState, TraceStore
+from harnessrl.store import attempt_budget
+from harnessrl.store.attempt_budget import INFRASTRUCTURE
 from harnessrl.store.learner_ledger import LearnerLedger
 
 HARNESS = r'''
@@ -35,6 +37,11 @@ if behaviour == "hang":
 if behaviour == "crash":
     print("harness blew up", file=sys.stderr)
     sys.exit(3)
+if behaviour == "upstream_down":  # what the proxy records when vLLM is away; the harness then gives up
+    store = TraceStore.connect(os.environ["STORE_URL"])
+    store.mark_upstream_failed(rollout, attempt)
+    store.close()
+    sys.exit(1)
 if behaviour == "ok":
     store = TraceStore.connect(os.environ["STORE_URL"])
     store.set_reward(rollout, attempt, float(task["reward"]))
@@ -157,6 +164,27 @@ def test_retries_until_max_attempts(store: TraceStore, store_url: str, harness: 
     attempts = store.list_attempts("sched")
     assert sorted(a.attempt for a in attempts) == [0, 0, 1, 1, 2, 2]
     assert all(a.state is RolloutState.FAILED for a in attempts)
+
+
+def test_upstream_failures_are_retried_without_using_an_attempt_up_to_the_bound(
+    store: TraceStore, store_url: str, harness: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rollout whose LLM upstream is down on every attempt: its first two failures (the bound, lowered from 10
+    to keep the test short) are retried for free, then it gets its maxAttempts=2 harness attempts and fails."""
+    monkeypatch.setattr(attempt_budget, "MAX_INFRA_RETRIES", 2)
+    scheduler, _ = make(store, store_url, harness, tmp_path, [{"id": "down", "behaviour": "upstream_down"}],
+                        group_size=1, tasks_per_step=1, max_attempts=2)
+    run_until(scheduler, lambda: len(store.list_attempts("sched")) == 4 and active(store) == 0)
+    for _ in range(3):
+        scheduler.reconcile(policy_version=0)
+    attempts = store.list_attempts("sched")
+    assert [(a.attempt, a.infra_retries, a.state) for a in attempts] == [
+        (0, 0, RolloutState.FAILED), (1, 1, RolloutState.FAILED), (2, 2, RolloutState.FAILED),
+        (3, 2, RolloutState.FAILED),
+    ]
+    assert all(a.reason == INFRASTRUCTURE + "HarnessFailed: exit code 1" for a in attempts)
+    claim = LearnerLedger(store, "sched").claim(tasks_per_step=1, group_size=1, max_attempts=2)
+    assert claim is not None and claim.keys == [(attempts[0].rollout_id, 3)]  # its last word, for the learner too
 
 
 def test_restarted_scheduler_settles_lost_runs_without_duplicates(store: TraceStore, store_url: str,

@@ -3,13 +3,17 @@ replace, and the outstanding-group count that a retried rollout no longer leaks 
 
 from __future__ import annotations
 
-from sqlalchemy import select
+import pytest
+from sqlalchemy import select, update
 
 from harnessrl.rollout_ids import evaluation_rollout_id, group_of, training_rollout_id
 from harnessrl.store import RolloutState, TraceStore
-from harnessrl.store.learner_ledger import LearnerLedger
+from harnessrl.store import attempt_budget
+from harnessrl.store.attempt_budget import INFRASTRUCTURE, MAX_INFRA_RETRIES
+from harnessrl.store.learner_ledger import LearnerLedger, _final
 from harnessrl.store.scheduler_reads import active_attempts, group_counts, latest_ended, training_group_key
-from harnessrl.store.schema import Rollout
+from harnessrl.store.schema import Rollout, RolloutAttempt
+from harnessrl.store.states import Move
 
 S = RolloutState
 
@@ -91,6 +95,76 @@ def test_latest_ended_reads_only_what_may_get_a_new_attempt(store: TraceStore) -
     assert latest_ended(store, "run", (S.FAILED, S.TIMED_OUT)) == [(ids[0], 0), (ids[1], 0)]
     _end(store, ids[2], 1, S.FAILED)
     assert (ids[2], 1) in latest_ended(store, "run", (S.FAILED,))
-    assert latest_ended(store, "run", (S.FAILED,), retries_below=1) == [(ids[0], 0)]  # attempt 1 used its last
+    assert latest_ended(store, "run", (S.FAILED,), max_attempts=2) == [(ids[0], 0)]  # attempt 1 used its last
     assert latest_ended(store, "run", (S.CANCELLED,), kind="evaluation") == [(evaluation, 0)]
     assert latest_ended(store, "run", (S.CANCELLED,)) == [(ids[3], 0), (evaluation, 0)]
+
+
+# ------------------------------------------------------------------- upstream failures and harness.maxAttempts
+
+
+def test_scheduler_and_learner_count_attempts_by_one_rule(store: TraceStore) -> None:
+    """The scheduler's SQL (latest_ended) and the learner's Python (_final) agree on every row: a failed attempt
+    the one retries is exactly one the other does not call final."""
+    [task] = _run(store, 1)
+    shapes = [(attempt, infra, flagged) for attempt in (0, 1, 2, MAX_INFRA_RETRIES, MAX_INFRA_RETRIES + 1)
+              for infra in sorted({0, 1, attempt - 1, MAX_INFRA_RETRIES}) if 0 <= infra <= attempt
+              for flagged in (False, True)]
+    ids = _group(store, task, 0, len(shapes))
+    for rollout_id, (attempt, infra, flagged) in zip(ids, shapes):
+        _end(store, rollout_id, 0, S.FAILED)
+        with store.engine.begin() as conn:  # the attempt as the n-th of a rollout, straight in the row
+            conn.execute(update(RolloutAttempt).where(RolloutAttempt.rollout_id == rollout_id)
+                         .values(attempt=attempt, infra_retries=infra, upstream_failed=flagged))
+    rows = {(a.rollout_id, a.attempt): a for a in store.list_attempts("run")}
+    for max_attempts in (1, 2, 3):
+        sql = set(latest_ended(store, "run", (S.FAILED,), max_attempts=max_attempts))
+        python = {key for key, row in rows.items() if not _final(row, max_attempts)}
+        assert sql == python, max_attempts
+        assert 0 < len(sql) < len(rows)  # neither side is trivially all or nothing
+    by_shape = {shape: (rollout_id, shape[0]) for rollout_id, shape in zip(ids, shapes)}
+    retried = set(latest_ended(store, "run", (S.FAILED,), max_attempts=2))
+    assert by_shape[(1, 1, False)] in retried  # one free retry before it: attempt 1 is its first harness attempt
+    assert by_shape[(1, 0, False)] not in retried  # two harness attempts used
+    assert by_shape[(2, 1, True)] in retried  # the upstream failed: free, whatever was used
+    cap = MAX_INFRA_RETRIES
+    assert by_shape[(cap, cap, True)] in retried  # past the bound it counts: its first harness attempt, one left
+    assert by_shape[(cap + 1, cap, True)] not in retried  # past the bound, and its second harness attempt
+
+
+def test_a_retry_carries_the_free_retries_forward_up_to_the_bound(store: TraceStore, monkeypatch) -> None:
+    monkeypatch.setattr(attempt_budget, "MAX_INFRA_RETRIES", 2)
+    [task] = _run(store, 1)
+    [rollout, cancelled] = _group(store, task, 0, 2)
+    flags = [True, False, True, True, True]  # upstream failed, harness failed, then three upstream failures
+    for attempt, flagged in enumerate(flags):
+        if flagged:
+            store.mark_upstream_failed(rollout, attempt)
+        _end(store, rollout, attempt, S.FAILED)
+        assert store.new_attempt(rollout) == attempt + 1
+    assert [a.infra_retries for a in store.list_attempts("run") if a.rollout_id == rollout] == [0, 1, 1, 2, 2, 2]
+    store.mark_upstream_failed(cancelled, 0)  # a stop's retry is not the upstream's: it adds nothing
+    _end(store, cancelled, 0, S.CANCELLED)
+    store.new_attempt(cancelled)
+    assert store.get_attempt(cancelled, 1).infra_retries == 0
+
+
+@pytest.mark.parametrize("mark_first", [True, False])
+def test_a_failure_the_upstream_caused_says_so_in_its_reason(store: TraceStore, mark_first: bool) -> None:
+    """Marked before the scheduler settles the attempt, or after (the mark lingered or was spooled): either way
+    the failure's reason gets the prefix once, and only a failure's."""
+    [task] = _run(store, 1)
+    [failed, succeeded] = _group(store, task, 0, 2)
+    if mark_first:
+        store.mark_upstream_failed(failed, 0)
+    store.try_transition(failed, 0, S.QUEUED, S.RUNNING)
+    store.try_transitions([Move(failed, 0, S.RUNNING, S.FAILED, "HarnessFailed: exit code 1")])
+    store.mark_upstream_failed(failed, 0)
+    store.mark_upstream_failed(failed, 0)  # a replay, or the next failed call: nothing changes
+    attempt = store.get_attempt(failed, 0)
+    assert attempt.upstream_failed and attempt.reason == INFRASTRUCTURE + "HarnessFailed: exit code 1"
+    _end(store, succeeded, 0, S.SUCCEEDED, reward=1.0)
+    store.mark_upstream_failed(succeeded, 0)
+    assert store.get_attempt(succeeded, 0).reason == "test" and store.get_attempt(succeeded, 0).upstream_failed
+    store.mark_upstream_failed("r-new", 0, run="run")  # an attempt no call reached yet is created, as calls do
+    assert store.get_attempt("r-new", 0).upstream_failed

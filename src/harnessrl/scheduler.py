@@ -291,10 +291,11 @@ class RolloutScheduler:
         return ended
 
     def _retry_failures(self, status: SchedulerStatus) -> None:
-        if self.settings.max_attempts <= 1:
-            return
+        """Queue the next attempt of each failed rollout with attempts left; one that failed because the LLM
+        upstream did is retried without using one, up to ``attempt_budget.MAX_INFRA_RETRIES`` times (even under
+        ``maxAttempts: 1``)."""
         failed = latest_ended(self.store, self.settings.run, (RolloutState.FAILED, RolloutState.TIMED_OUT),
-                              retries_below=self.settings.max_attempts - 1)
+                              max_attempts=self.settings.max_attempts)
         for rollout_id, _ in failed:
             self.store.new_attempt(rollout_id)
             status.retried += 1

@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine, bindparam, exists, func, insert, sele
 from sqlalchemy.orm import aliased
 from sqlalchemy.exc import IntegrityError
 
-from harnessrl.store import run_counters
+from harnessrl.store import attempt_budget, run_counters
 from harnessrl.store.engine import WRITE_OPTION
 from harnessrl.store.records import RolloutState, utcnow
 from harnessrl.store.schema import TRAIN, LearnerLogprobs, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
@@ -184,8 +184,9 @@ class LearnerLedger:
         advantage code decides which train; not cancelled, see ``_final``). Groups are ordered by when their
         last member finished. Rollouts without a task (made by a standalone proxy) have no group and are never
         claimed, nor are evaluation rollouts (``rollouts.kind``): an evaluation is never trained on.
-        A failed or timed-out attempt with attempts left (``attempt + 1 < max_attempts``) is not final: the
-        scheduler is about to queue its retry, and claiming the group now would train without it.
+        A failed or timed-out attempt the scheduler retries (attempts left, or an upstream failure within its
+        bound: ``attempt_budget.retried``) is not final: the scheduler is about to queue its retry, and
+        claiming the group now would train without it.
         """
         if tasks_per_step < 1 or group_size < 1:
             raise ValueError(f"tasks_per_step ({tasks_per_step}) and group_size ({group_size}) must be >= 1")
@@ -194,7 +195,7 @@ class LearnerLedger:
             select(  # only (ix_rollout_attempts_open), so a poll costs what is unconsumed, not the whole run
                 RolloutAttempt.rollout_id, RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.reward,
                 RolloutAttempt.policy_version_start, RolloutAttempt.finished_at, RolloutAttempt.updated_at,
-                Rollout.task_id, Rollout.group_index,
+                RolloutAttempt.upstream_failed, RolloutAttempt.infra_retries, Rollout.task_id, Rollout.group_index,
             )
             .join(Rollout, Rollout.rollout_id == RolloutAttempt.rollout_id)
             .where(RolloutAttempt.run == self.run, RolloutAttempt.consumed_by_step.is_(None),
@@ -209,7 +210,7 @@ class LearnerLedger:
             groups[row.task_id].append(row)
         complete: list[tuple[Any, str, list[Any]]] = []
         for task_id, members in groups.items():
-            if len(members) >= group_size and all(_final(m.state, m.attempt, max_attempts) for m in members):
+            if len(members) >= group_size and all(_final(m, max_attempts) for m in members):
                 done_at = max((m.finished_at or m.updated_at) for m in members)
                 complete.append((done_at, task_id, members))
         if len(complete) < tasks_per_step:
@@ -314,13 +315,14 @@ class LearnerLedger:
         return [(r.rollout_id, r.attempt) for r in rows]
 
 
-RETRIED_STATES = (RolloutState.FAILED.value, RolloutState.TIMED_OUT.value)
-
-
-def _final(state: str, attempt: int, max_attempts: int) -> bool:
-    """Whether an attempt is its rollout's last word: terminal, and not about to be retried. A cancelled attempt
-    never is: a stop (Ctrl-C or SIGTERM to ``harnessrl run``) cancelled it, and the scheduler queues the rollout
-    again when the run goes on, so a stop never turns the groups it interrupted into a step trained on nothing."""
-    if state == RolloutState.CANCELLED.value:
+def _final(row: Any, max_attempts: int) -> bool:
+    """Whether an attempt (a row with its state, number, upstream_failed and infra_retries) is its rollout's last
+    word: terminal, and not about to be retried (``attempt_budget.retried``, the scheduler's own rule). A
+    cancelled attempt never is: a stop (Ctrl-C or SIGTERM to ``harnessrl run``) cancelled it, and the scheduler
+    queues the rollout again when the run goes on, so a stop never turns the groups it interrupted into a step
+    trained on nothing."""
+    if row.state == RolloutState.CANCELLED.value:
         return False
-    return state in TERMINAL_STATES and not (state in RETRIED_STATES and attempt + 1 < max_attempts)
+    if row.state in attempt_budget.RETRIED_STATES:
+        return not attempt_budget.retried(row.attempt, bool(row.upstream_failed), row.infra_retries, max_attempts)
+    return row.state in TERMINAL_STATES

@@ -124,3 +124,5 @@ class AttemptRecord:
     started_at: datetime | None
     finished_at: datetime | None
     updated_at: datetime
+    upstream_failed: bool = False  # the LLM upstream failed one of its calls (``store.attempt_budget``)
+    infra_retries: int = 0  # earlier attempts of the rollout retried for that without using an attempt

@@ -24,7 +24,7 @@ from typing import NamedTuple
 from sqlalchemy import String, case, cast, distinct, exists, func, literal, select
 from sqlalchemy.orm import aliased
 
-from harnessrl.store import run_counters
+from harnessrl.store import attempt_budget, run_counters
 from harnessrl.store.records import RolloutState
 from harnessrl.store.schema import TRAIN, Rollout, RolloutAttempt
 from harnessrl.store.trace_store import TraceStore
@@ -87,12 +87,13 @@ def group_counts(store: TraceStore, run: str) -> GroupCounts:
 
 
 def latest_ended(
-    store: TraceStore, run: str, states: Iterable[RolloutState], *, retries_below: int | None = None,
+    store: TraceStore, run: str, states: Iterable[RolloutState], *, max_attempts: int | None = None,
     kind: str | None = None,
 ) -> list[tuple[str, int]]:
     """(rollout_id, attempt) of each unconsumed rollout whose latest attempt ended in ``states``: what may get a
-    new attempt. ``retries_below``: only attempts numbered below it (attempts left under harness.maxAttempts);
-    ``kind``: only training or evaluation rollouts. Earlier attempts of a retried rollout are never read again."""
+    new attempt. ``max_attempts``: only attempts ``attempt_budget.retried`` retries under that
+    harness.maxAttempts (attempts left, or an upstream failure within its bound); ``kind``: only training or
+    evaluation rollouts. Earlier attempts of a retried rollout are never read again."""
     newer = aliased(RolloutAttempt)
     query = (
         select(RolloutAttempt.rollout_id, RolloutAttempt.attempt)
@@ -105,8 +106,10 @@ def latest_ended(
         )
         .order_by(RolloutAttempt.created_at, RolloutAttempt.rollout_id)
     )
-    if retries_below is not None:
-        query = query.where(RolloutAttempt.attempt < retries_below)
+    if max_attempts is not None:
+        query = query.where(attempt_budget.retried(
+            RolloutAttempt.attempt, RolloutAttempt.upstream_failed, RolloutAttempt.infra_retries, max_attempts
+        ))
     if kind is not None:
         query = query.where(Rollout.kind == kind)
     with store.engine.connect() as conn:

@@ -29,6 +29,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -182,6 +183,11 @@ class RolloutAttempt(Base):
     # The training rows the learner built from the attempt at the step that consumed it (trained or not);
     # NULL until a step consumed it, and for attempts consumed before schema revision 0008.
     train_rows: Mapped[int | None] = mapped_column(Integer)
+    # The proxy answered one of the attempt's calls upstream_unavailable or upstream_timeout; and how many of
+    # the rollout's earlier attempts were retried for that without using one of harness.maxAttempts
+    # (``store.attempt_budget``: the one rule that counts them).
+    upstream_failed: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    infra_retries: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime())
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime())

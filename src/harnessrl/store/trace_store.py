@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, func, select, tuple_, update
+from sqlalchemy import Connection, Engine, Row, func, literal, select, tuple_, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
-from harnessrl.store import codec, migrate, run_counters
+from harnessrl.store import attempt_budget, codec, migrate, run_counters
 from harnessrl.store.call_copy import CopyConflict
 from harnessrl.store.call_rows import (
     CallRebuilder,
@@ -339,11 +339,13 @@ class TraceStore:
         self.transition(rollout_id, attempt, state, reason)
 
     def new_attempt(self, rollout_id: str) -> int:
-        """Queue the next attempt of a rollout whose latest attempt failed, timed out or was cancelled."""
+        """Queue the next attempt of a rollout whose latest attempt failed, timed out or was cancelled; it carries
+        the rollout's retries for upstream failures forward (``attempt_budget.next_infra_retries``)."""
         for _ in range(2):  # a second pass only after losing a race with another caller
             with self._writer.begin() as conn:
                 latest = conn.execute(
-                    select(RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.run)
+                    select(RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.run,
+                           RolloutAttempt.upstream_failed, RolloutAttempt.infra_retries)
                     .where(RolloutAttempt.rollout_id == rollout_id)
                     .order_by(RolloutAttempt.attempt.desc())
                     .limit(1)
@@ -359,12 +361,13 @@ class TraceStore:
                         f"which is {state.value}",
                     )
                 number = latest.attempt + 1
+                row = attempt_row(rollout_id, number, latest.run, RolloutState.QUEUED, utcnow())
+                row["infra_retries"] = attempt_budget.next_infra_retries(
+                    latest.state, bool(latest.upstream_failed), latest.infra_retries
+                )
                 try:
                     with conn.begin_nested():
-                        conn.execute(
-                            self._insert(RolloutAttempt),
-                            [attempt_row(rollout_id, number, latest.run, RolloutState.QUEUED, utcnow())],
-                        )
+                        conn.execute(self._insert(RolloutAttempt), [row])
                 except IntegrityError:
                     continue
                 return number
@@ -414,6 +417,28 @@ class TraceStore:
                 if state is None:
                     raise NotFound(f"rollout {rollout_id!r} attempt {attempt} does not exist; reward not stored")
                 raise AttemptSettled(rollout_id, attempt, RolloutState(state))
+
+    def mark_upstream_failed(self, rollout_id: str, attempt: int, *, run: str | None = None) -> None:
+        """Record that the LLM upstream failed one of the attempt's calls (the proxy's upstream_unavailable or
+        upstream_timeout), so its failure is retried without using an attempt (``attempt_budget``). With
+        ``run``, an attempt not stored yet is created first (running), as a call would create it.
+
+        Idempotent (a spool replay or the next failed call changes nothing), and in whatever state the attempt
+        is: the mark may reach the store after the scheduler settled the attempt (the proxy's writer lingers,
+        or spooled it through a store outage); a failure settled before it then gets its reason's prefix here.
+        """
+        check_id(rollout_id, "rollout_id")
+        with self._writer.begin() as conn:
+            if run is not None:
+                ensure_attempts(conn, self._insert, {(rollout_id, attempt): (check_id(run, "run"), None)})
+            settled = RolloutAttempt.state.in_(attempt_budget.RETRIED_STATES)
+            conn.execute(
+                update(RolloutAttempt)
+                .where(RolloutAttempt.rollout_id == rollout_id, RolloutAttempt.attempt == attempt,
+                       ~RolloutAttempt.upstream_failed)
+                .values(upstream_failed=True, updated_at=utcnow(),
+                        reason=attempt_budget.infrastructure_reason(RolloutAttempt.reason, when=settled))
+            )
 
     def get_attempt(self, rollout_id: str, attempt: int) -> AttemptRecord:
         with self._engine.connect() as conn:
@@ -567,10 +592,12 @@ def _require_json(value: Any, what: str) -> str:
 
 
 def _move_values(to: RolloutState, reason: str | None, policy_version: int | None, now: Any) -> dict[str, Any]:
-    """The columns a move to ``to`` sets."""
+    """The columns a move to ``to`` sets. A failure's reason says so when the upstream failed during the attempt
+    (``attempt_budget.infrastructure_reason``)."""
     values: dict[str, Any] = {"state": to.value, "updated_at": now}
     if reason is not None:
-        values["reason"] = reason
+        retried = to.value in attempt_budget.RETRIED_STATES
+        values["reason"] = attempt_budget.infrastructure_reason(literal(reason)) if retried else reason
     if to is RolloutState.RUNNING:
         values["started_at"] = now
         if policy_version is not None:
@@ -617,4 +644,6 @@ def _attempt_record(a: Row[Any]) -> AttemptRecord:
         started_at=a.started_at,
         finished_at=a.finished_at,
         updated_at=a.updated_at,
+        upstream_failed=bool(a.upstream_failed),
+        infra_retries=a.infra_retries,
     )
