@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from harnessrl.local.processes import ProcessBackend
@@ -16,13 +17,14 @@ TOKEN = "verifier-only-0123456789abcdef"
 
 
 def run_mode(example: Path, verifier: list[str], run: str, mode: str, chosen: list[dict], proxy, workdir: Path,
-             timeout_s: float) -> dict[str, tuple[int | None, str | None]]:
-    """Every chosen task once as rollout ``{mode}-{task id}``; returns each rollout's exit code and detail, all 0."""
+             timeout_s: float, args: Sequence[str] = ()) -> dict[str, tuple[int | None, str | None]]:
+    """Every chosen task once as rollout ``{mode}-{task id}`` (the harness with ``--mode mode`` and ``args``;
+    its workspace is ``workdir/rollouts/{rollout}-a0``); returns each rollout's exit code and detail, all 0."""
     def base(launch: Launch) -> str:
         return f"{proxy.url}/rollouts/{launch.rollout_id}/attempts/{launch.attempt}/v1"
 
     backend = ProcessBackend(
-        [sys.executable, str(example / "harness.py"), "--mode", mode], workdir, cwd=example,
+        [sys.executable, str(example / "harness.py"), "--mode", mode, *args], workdir, cwd=example,
         env_for=lambda launch: {"OPENAI_BASE_URL": base(launch)},
         verifier=[HARNESSRL, *verifier],
         verifier_env_for=lambda launch: {"HARNESSRL_REWARD_URL": f"{base(launch)}/reward",
@@ -39,5 +41,7 @@ def run_mode(example: Path, verifier: list[str], run: str, mode: str, chosen: li
             time.sleep(0.2)
     finally:
         backend.shutdown()
-    assert all(code == 0 for code, _ in ended.values()), ended
+    logs = {rollout: (workdir / "rollouts" / f"{rollout}-a0" / "harness.log").read_text()[-3000:]
+            for rollout, (code, _) in ended.items() if code != 0}
+    assert not logs, (ended, logs)
     return ended
