@@ -370,7 +370,9 @@ class TraceWriter:
             if on_done is not None:
                 self._waiters[ticket] = on_done
         self._queue.put((ticket, item))
-        if on_done is not None:  # someone waits for this one: no lingering for a larger batch
+        if on_done is not None or isinstance(item, UpstreamFailedItem):
+            # Someone waits for this one, or a harness is about to exit after its 502 (the scheduler should find
+            # the mark when it settles the exit): no lingering for a larger batch.
             self._wake.set()
         elif self._queue.qsize() >= self._wake_items or self._queued_bytes >= self._wake_bytes:
             self._wake.set()

@@ -42,7 +42,7 @@ from harnessrl.proxy.writer import (
     record_from_json,
     record_to_json,
 )
-from harnessrl.store import CallStatus, RolloutState, TraceStore
+from harnessrl.store import CallStatus, NotFound, RolloutState, TraceStore
 
 pytest.register_assert_rewrite("proxy_servers")
 from proxy_servers import metric_value
@@ -409,6 +409,29 @@ def test_writer_replays_a_spool_left_by_an_earlier_process(sqlite_store: TraceSt
     ]
     assert sqlite_store.get_attempt("r", 0).reward == 2.0
     assert sqlite_store.get_attempt("r", 0).upstream_failed
+
+
+def test_an_upstream_failure_mark_is_written_at_once(sqlite_store: TraceStore, tmp_path: Path):
+    """The harness exits right after its 502, so the mark (and the call before it) must not linger for a batch:
+    with a 60 s linger, both are in the store long before it ends."""
+    writer = TraceWriter(sqlite_store, Spool(tmp_path / "s.jsonl"), ProxyMetrics(), linger_s=60.0)
+    writer.start()
+    try:
+        writer.put(CallItem(record(0)))
+        writer.put(UpstreamFailedItem("r", 0, "run"))
+        deadline = time.monotonic() + 30
+        while not _flagged(sqlite_store) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _flagged(sqlite_store) and len(sqlite_store.read_calls("r", 0)) == 1
+    finally:
+        writer.close(5)
+
+
+def _flagged(store: TraceStore) -> bool:
+    try:
+        return store.get_attempt("r", 0).upstream_failed
+    except NotFound:
+        return False
 
 
 def test_the_queue_is_bounded_by_bytes_as_well_as_by_count(sqlite_store: TraceStore, tmp_path: Path):
