@@ -184,7 +184,8 @@ class Harness(SpecModel):
     timeout_seconds: int = Field(default=1800, ge=1)
     """Wall-clock limit for one rollout attempt; it then counts as timed out."""
     max_attempts: int = Field(default=2, ge=1)
-    """Attempts per rollout when its pod fails for reasons outside the harness (eviction, image pull)."""
+    """Attempts per rollout: a failed or timed-out attempt is retried until this many ran.
+    A failure the LLM upstream caused (upstream_unavailable, upstream_timeout) uses none, up to 10 per rollout."""
     sandbox: Sandbox = Field(default_factory=Sandbox)
     """Isolation settings."""
     resources: Resources = Field(default_factory=Resources)
