@@ -101,7 +101,8 @@ def main() -> int:
     parser.add_argument("--tasks-dir", type=Path, default=HERE, help="where the task's corpus file is")
     parser.add_argument("--max-calls", type=int, default=4, help="model calls per rollout")
     parser.add_argument("--forced-searches", type=int, default=1, help="first calls that must call search")
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per model call")
+    parser.add_argument("--max-tokens", type=int, default=1024,
+                        help="tokens per model call (in a run, the proxy forces spec.rollout.maxTokens instead)")
     parser.add_argument("--top-k", type=int, default=2, help="documents per search")
     args = parser.parse_args()
     task = load_task()["data"]
