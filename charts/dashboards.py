@@ -27,7 +27,8 @@ OUTPUT = Path(__file__).resolve().parent / "harnessrl" / "dashboards"
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 RUN = 'namespace=~"$namespace", run=~"$run"'
 """Every series is selected by these labels: the operator's carry them (its ServiceMonitor honours them); a
-proxy's or learner's would get them from its pod's scrape, once they can be scraped on a cluster (README)."""
+proxy's, learner's or vLLM replica's get them from its pod's scrape (the namespace, and the run from the pod's
+label: the chart's PodMonitors)."""
 RATE = "$__rate_interval"
 
 

@@ -36,6 +36,9 @@ class OperatorConfig:
     """The trace store of runs that name none (their spec keeps the SQLite default, which only `harnessrl run`
     can use): the chart points it at its PostgreSQL. Empty: such runs fail with InvalidSpec naming
     spec.store."""
+    proxy_metrics_port: int = 8101
+    """Where each harness pod's proxy serves ``/metrics`` on the pod's address for Prometheus (the chart's
+    harness PodMonitor); its API stays on loopback. A harness must not listen on this port. 0: not served."""
     provisioning_timeout_seconds: int = 1800
     """How long vLLM and the learner may take to become ready before the run fails (RolloutUnavailable)."""
 

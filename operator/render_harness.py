@@ -61,6 +61,8 @@ during an outage stays until its proxy stored everything: its spool is an emptyD
 TERMINATION_GRACE_SECONDS = PROXY_FLUSH_SECONDS + 60
 """The kubelet stops the proxy sidecar with SIGTERM once the harness has exited, and kills it after this: the
 proxy's flush, and a minute for in-flight calls. A proxy with nothing left to store exits at once."""
+PROXY_METRICS_PORT_NAME = "proxy-metrics"
+"""The proxy sidecar's metrics port, by the name the chart's harness PodMonitor scrapes."""
 PROXY_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
 """What the proxy needs at rest (about 1 ms of CPU per call), unless ``spec.proxy.resources`` says otherwise.
 No limits by default: a request body may be up to spec.proxy.maxRequestBodyBytes, and an OOM kill would lose
@@ -107,6 +109,7 @@ def proxy_env(run: TrainingRun, config: OperatorConfig, launch: Launch) -> list[
         env("HARNESSRL_ATTEMPT", str(launch.attempt)),
         env("HARNESSRL_PROXY_HOST", "127.0.0.1"),
         env("HARNESSRL_PROXY_PORT", str(proxy.port)),
+        *([env("HARNESSRL_METRICS_PORT", str(config.proxy_metrics_port))] if config.proxy_metrics_port else []),
         env("HARNESSRL_SHUTDOWN_TIMEOUT_S", str(PROXY_FLUSH_SECONDS)),
         env("HARNESSRL_POLICY_VERSION", str(launch.policy_version)),
         env("HARNESSRL_MODEL_NAME", SERVED_MODEL_NAME),
@@ -147,6 +150,11 @@ def proxy_container(run: TrainingRun, config: OperatorConfig, launch: Launch) ->
             "timeoutSeconds": 3,
             "failureThreshold": 120,
         },
+        **(
+            {"ports": [{"name": PROXY_METRICS_PORT_NAME, "containerPort": config.proxy_metrics_port, "protocol": "TCP"}]}
+            if config.proxy_metrics_port
+            else {}
+        ),
         "resources": container_resources(run.spec.proxy.resources, 0) or {"requests": dict(PROXY_REQUESTS)},
         "securityContext": {
             **restricted_security(),

@@ -2,7 +2,9 @@
 of its vLLM pods (who may reach their control port).
 
 A harness pod may reach what its proxy needs and nothing else: the rollout servers, the trace store and DNS;
-with ``custom``, also the spec's egress rules. Nothing may connect to a harness pod.
+with ``custom``, also the spec's egress rules. Nothing may connect to a harness pod, except to its proxy's
+metrics port (``OperatorConfig.proxy_metrics_port``), from any source as for vLLM's ``/metrics``: that listener
+serves Prometheus counters and nothing else.
 
 What a NetworkPolicy cannot do: the proxy sidecar shares the pod's network namespace, and a policy selects
 pods, not containers, so the harness can open connections to the rollout servers and to the store just as
@@ -99,6 +101,7 @@ def render_network_policy(
     if sandbox.network_policy == "custom":
         egress += _custom_rules(run)
     name = run.metadata.name
+    metrics_port = (config or OperatorConfig()).proxy_metrics_port
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -108,7 +111,7 @@ def render_network_policy(
         "spec": {
             "podSelector": {"matchLabels": naming.selector(name, naming.HARNESS)},
             "policyTypes": ["Ingress", "Egress"],
-            "ingress": [],
+            "ingress": [{"ports": [_tcp(metrics_port)]}] if metrics_port else [],
             "egress": egress,
         },
     }

@@ -1049,3 +1049,15 @@ async def start_proxy(
     sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
     bound = sockets[0].getsockname()[1] if sockets else port
     return runner, f"http://{host}:{bound}"
+
+
+async def start_metrics(proxy: CaptureProxy, port: int, host: str = "0.0.0.0") -> web.AppRunner:
+    """Serve ``GET /metrics`` alone on ``host:port``. A sidecar's proxy listens on loopback, so that only the
+    harness in its pod can attribute calls and rewards; Prometheus scrapes the pod's address, and this listener
+    gives it the counters and nothing else (no call, reward or admin route)."""
+    app = web.Application()
+    app.router.add_get("/metrics", proxy.prometheus)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

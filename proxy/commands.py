@@ -57,7 +57,7 @@ GC_YOUNG_THRESHOLD = 10_000
 async def _serve(config: ProxyConfig) -> None:
     from harnessrl.store import TraceStore
 
-    from .app import CaptureProxy, start_proxy
+    from .app import CaptureProxy, start_metrics, start_proxy
 
     loop = asyncio.get_running_loop()
     # Not checked by connecting: a database that is down (restarting, or its DNS name not yet resolvable) must
@@ -70,6 +70,7 @@ async def _serve(config: ProxyConfig) -> None:
             await loop.run_in_executor(None, _require_schema, store)
         proxy = CaptureProxy(config, store)
         runner, url = await start_proxy(proxy, config.proxy_host, config.proxy_port)
+        metrics = await start_metrics(proxy, config.metrics_port) if config.metrics_port else None
         # Start-up objects (modules, app, engine) are never scanned by the cyclic collector again, and the
         # youngest generation is collected every GC_YOUNG_THRESHOLD allocations, not 700 (why: see there).
         gc.collect()
@@ -90,6 +91,8 @@ async def _serve(config: ProxyConfig) -> None:
             log.warning(OBSERVE_NOTICE)
         await stop.wait()
         log.info("stopping: no new connections, finishing in-flight calls, flushing captured calls")
+        if metrics is not None:
+            await metrics.cleanup()
         await runner.cleanup()
     finally:
         await loop.run_in_executor(None, store.close)
@@ -147,6 +150,11 @@ def _run(main: object) -> None:
 )
 @click.option("--port", "proxy_port", type=int, help="Listen port. [env HARNESSRL_PROXY_PORT, default 8100]")
 @click.option("--host", "proxy_host", help="Listen address. [env HARNESSRL_PROXY_HOST, default 127.0.0.1]")
+@click.option(
+    "--metrics-port",
+    type=int,
+    help="Also serve /metrics alone on this port, on every address (for Prometheus). [env HARNESSRL_METRICS_PORT]",
+)
 @click.option(
     "--mode",
     "proxy_mode",

@@ -14,6 +14,9 @@ HARNESSRL_ROLLOUT_ID               sidecar attribution: the rollout this pod ser
 HARNESSRL_ATTEMPT                  sidecar attribution: the attempt number (default 0)
 HARNESSRL_PROXY_HOST               listen address (default 127.0.0.1; a gateway uses 0.0.0.0)
 HARNESSRL_PROXY_PORT               listen port (default 8100)
+HARNESSRL_METRICS_PORT             a second listener, on every address, that serves ``GET /metrics`` only: a
+                                   sidecar's proxy listens on loopback, where Prometheus cannot reach it
+                                   (default: none; the main listener always serves /metrics too)
 HARNESSRL_PROXY_MODE               ``train`` (default): add token ids + log-probs upstream and enforce the
                                    run's model and sampling; ``observe``: forward requests unchanged and
                                    record what comes back
@@ -143,6 +146,7 @@ class ProxyConfig(BaseSettings):
     attempt: int = Field(default=0, ge=0)
     proxy_host: str = "127.0.0.1"
     proxy_port: int = Field(default=8100, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
     proxy_mode: Literal["train", "observe"] = "train"
     policy_version: int = Field(default=0, ge=0)
     replica_versions: bool = False

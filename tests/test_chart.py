@@ -335,7 +335,7 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     webhook = next(d for d in by_kind(with_api, "Service") if d["metadata"]["name"].endswith("-webhook"))
     assert not selector.items() <= webhook["metadata"]["labels"].items()
     monitors = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in by_kind(with_api, "PodMonitor")}
-    assert sorted(monitors) == ["learner", "rollout"]
+    assert sorted(monitors) == ["learner", "proxy", "rollout"]
     pod_monitor = monitors["rollout"]
     assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
     # It selects the vLLM pods the operator renders, by their labels and port name.
@@ -358,6 +358,24 @@ def test_monitoring_objects_only_where_the_prometheus_operator_api_exists(helm: 
     (container,) = learner["spec"]["containers"]
     port = next(p for p in container["ports"] if p["name"] == monitors["learner"]["spec"]["podMetricsEndpoints"][0]["port"])
     assert container["command"][container["command"].index("--metrics-port") + 1] == str(port["containerPort"])
+    # and each harness pod's proxy sidecar, on the port the chart gives the operator
+    from harnessrl.operator.render_harness import render_harness_pod
+    from harnessrl.scheduler import Launch
+
+    deployment = one(render(helm, "--set", "operator.proxyMetricsPort=9101"), "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    config = OperatorConfig.from_env({k: v for k, v in env.items() if k.startswith("HARNESSRL_OPERATOR_") and v is not None})
+    assert config.proxy_metrics_port == 9101
+    launch = Launch("swe-qwen", "swe-qwen-g000000-r000", 0, "t", {"id": "t"}, 0, 60.0)
+    harness = render_harness_pod(run, "team-a", "uid", config, launch)
+    proxy_monitor = monitors["proxy"]["spec"]
+    assert proxy_monitor["selector"]["matchLabels"].items() <= harness["metadata"]["labels"].items()
+    (sidecar,) = harness["spec"]["initContainers"]
+    assert [(p["name"], p["containerPort"]) for p in sidecar["ports"]] == [
+        (proxy_monitor["podMetricsEndpoints"][0]["port"], 9101)
+    ]
+    off = render(helm, "--set", "operator.proxyMetricsPort=0", "--api-versions", PROMETHEUS)
+    assert sorted(d["metadata"]["name"].rsplit("-", 1)[-1] for d in by_kind(off, "PodMonitor")) == ["learner", "rollout"]
 
 
 def test_watched_namespaces_bind_workload_rights_only_there(helm: Path) -> None:

@@ -45,6 +45,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def host_address() -> str:
+    """This machine's address on its default route (not loopback); a UDP connect sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect(("198.51.100.1", 9))
+        address = sock.getsockname()[0]
+    assert not address.startswith("127."), address
+    return address
+
+
 def dashboards() -> dict[str, dict[str, Any]]:
     spec = importlib.util.spec_from_file_location("harnessrl_chart_dashboards", ROOT / "charts" / "dashboards.py")
     module = importlib.util.module_from_spec(spec)
@@ -133,11 +142,15 @@ def up(url: str) -> bool:
         return False
 
 
-def start_prometheus(processes: Processes, binary: str, targets: list[str], directory: Path) -> str:
-    """A Prometheus scraping ``targets`` every second; its URL once it is ready."""
+def start_prometheus(
+    processes: Processes, binary: str, targets: list[str], directory: Path,
+    scrape_configs: list[dict[str, Any]] | None = None,
+) -> str:
+    """A Prometheus scraping ``targets`` every second, or with ``scrape_configs`` instead; its URL once it is
+    ready."""
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "harnessrl", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": scrape_configs or [{"job_name": "harnessrl", "static_configs": [{"targets": targets}]}],
     }
     (directory / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
@@ -169,16 +182,22 @@ def test_every_dashboard_query_runs_on_prometheus_and_the_proxys_return_series(
     prometheus_binary: str, processes: Processes, tmp_path: Path, pg_url: str
 ) -> None:
     bin_dir = Path(sys.executable).parent
-    upstream_port, proxy_port = free_port(), free_port()
+    upstream_port, proxy_port, metrics_port = free_port(), free_port(), free_port()
     processes.start("upstream", [sys.executable, "-m", "harnessrl.proxy.fake_upstream", "--port", str(upstream_port)])
     processes.start("proxy", [
         str(bin_dir / "harnessrl"), "proxy", "--upstream", f"http://127.0.0.1:{upstream_port}",
         "--store", pg_url, "--upgrade-db", "--port", str(proxy_port),
-        "--run", "dash", "--spool", str(tmp_path / "proxy.spool"),
+        "--run", "dash", "--spool", str(tmp_path / "proxy.spool"), "--metrics-port", str(metrics_port),
     ])
-    prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{proxy_port}"], tmp_path)
+    # Prometheus scrapes the metrics listener a sidecar's proxy opens on its pod's address (its API is on
+    # loopback): /metrics alone, on every address.
+    prometheus = start_prometheus(processes, prometheus_binary, [f"127.0.0.1:{metrics_port}"], tmp_path)
     proxy = f"http://127.0.0.1:{proxy_port}"
     wait_for("the proxy", lambda: up(f"{proxy}/healthz"))
+    metrics = f"http://{host_address()}:{metrics_port}"
+    assert httpx.get(f"{metrics}/metrics").status_code == 200
+    assert httpx.get(f"{metrics}/healthz").status_code == 404
+    assert httpx.post(f"{metrics}/v1/chat/completions", json={"model": "m", "messages": []}).status_code == 404
     # A harness's traffic: calls of a few rollouts, each ending with its reward, over some scrapes; calls 6 to
     # 11 meet a store outage (spooled), replayed once it is back.
     with httpx.Client(timeout=30) as client:

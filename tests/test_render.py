@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -700,7 +701,9 @@ def test_network_policy_custom_adds_the_egress_cidrs() -> None:
     policy = render_network_policy(parse_training_run(CLUSTER), NAMESPACE, UID, CONFIG)
     spec = policy["spec"]
     assert spec["podSelector"]["matchLabels"] == naming.selector("swe-qwen", naming.HARNESS)
-    assert spec["policyTypes"] == ["Ingress", "Egress"] and spec["ingress"] == []
+    # Nothing may connect to a harness pod but Prometheus, to the proxy's metrics listener alone.
+    assert spec["policyTypes"] == ["Ingress", "Egress"]
+    assert spec["ingress"] == [{"ports": [{"protocol": "TCP", "port": CONFIG.proxy_metrics_port}]}]
     egress = spec["egress"]
     assert {
         "to": [{"ipBlock": {"cidr": "10.20.0.0/16"}}],
@@ -714,6 +717,23 @@ def test_network_policy_custom_adds_the_egress_cidrs() -> None:
         {"namespaceSelector": {}, "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}},
         {"ipBlock": {"cidr": "169.254.20.10/32"}},  # NodeLocal DNSCache, in the host network of each node
     ]
+
+
+def test_the_proxys_metrics_listener_is_on_the_pods_address_or_off() -> None:
+    """The sidecar serves /metrics on the pod's address at the operator's port (named for the PodMonitor), its API
+    on loopback; with the port 0 there is neither the listener nor the policy's ingress rule."""
+    run = parse_training_run(CLUSTER)
+    launch = launch_for(run)
+    pod = render_harness_pod(run, NAMESPACE, UID, CONFIG, launch)
+    proxy = pod["spec"]["initContainers"][0]
+    env = {item["name"]: item.get("value") for item in proxy["env"]}
+    assert env["HARNESSRL_PROXY_HOST"] == "127.0.0.1"
+    assert env["HARNESSRL_METRICS_PORT"] == str(CONFIG.proxy_metrics_port)
+    assert proxy["ports"] == [{"name": "proxy-metrics", "containerPort": CONFIG.proxy_metrics_port, "protocol": "TCP"}]
+    off = dataclasses.replace(CONFIG, proxy_metrics_port=0)
+    proxy = render_harness_pod(run, NAMESPACE, UID, off, launch)["spec"]["initContainers"][0]
+    assert "ports" not in proxy and "HARNESSRL_METRICS_PORT" not in {item["name"] for item in proxy["env"]}
+    assert render_network_policy(run, NAMESPACE, UID, off)["spec"]["ingress"] == []
 
 
 def test_the_store_port_comes_from_the_url_the_operator_resolved() -> None:
