@@ -11,9 +11,11 @@ Being a chat request, it gets token continuity too (``continuity.py``, ``chat_se
 messages repeat an earlier call's messages and answer (its text and ``tool_use`` blocks) + new ones
 (``tool_result`` blocks, user text) continues that call's exact tokens, so an agent loop trains as one row.
 
-A streamed request is answered once the completion is whole, as Anthropic's event sequence
-(``message_start``, each block's start / delta / stop, ``message_delta``, ``message_stop``): exact capture
-over token-by-token delivery, as for the Responses API. Supported content: text, ``thinking`` (the reasoning a
+A streamed request continued through ``/v1/completions`` (no tools, no reasoning parser) is relayed while
+generated, one ``content_block_delta`` per chunk (``LiveMessage``, ``served_stream.py``); any other is
+answered once the completion is whole, as Anthropic's event sequence (``message_start``, each block's start /
+delta / stop, ``message_delta``, ``message_stop``): exact capture over token-by-token delivery, as for the
+Responses API (``served_stream.py`` says which calls and why). Supported content: text, ``thinking`` (the reasoning a
 server's reasoning parser splits off, answered as vLLM's own route does), ``tool_use`` and ``tool_result``
 blocks (with text and ``tool_reference`` content: ``tool_reference_text``); an image or document block gets a
 400 naming it (logged with its rollout and counted in ``harnessrl_proxy_refused_total``).
@@ -334,6 +336,40 @@ def error_event(error: Mapping[str, Any]) -> bytes:
     """Anthropic's stream error event."""
     return sse_bytes({"type": "error", "error": {"type": str(error.get("type") or "api_error"),
                                                  "message": str(error.get("message") or "")}})
+
+
+class LiveMessage:
+    """Anthropic's events for a message relayed while generated (``served_stream.py``): ``message_start`` with
+    the prompt's length as ``input_tokens``, the text as one ``content_block_delta`` per chunk, then the rest of
+    ``replay_events`` for the whole message (the text block's stop, any later block, ``message_delta`` with the
+    stop reason and usage, ``message_stop``)."""
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self.body = body
+        self.opened = False  # the text block (index 0: the message has no thinking block on this path)
+
+    def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
+        message = {"id": head.get("id"), "type": "message", "role": "assistant", "content": [],
+                   "model": self.body.get("model"), "stop_reason": None, "stop_sequence": None,
+                   "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
+        return [{"type": "message_start", "message": message}]
+
+    def text(self, delta: str, logprobs: Any) -> list[dict[str, Any]]:
+        if not delta:
+            return []
+        events = [] if self.opened else [{"type": "content_block_start", "index": 0,
+                                          "content_block": {"type": "text", "text": ""}}]
+        self.opened = True
+        return [*events, {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": delta}}]
+
+    def end(self, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+        sent = {"message_start"} | ({"content_block_start", "content_block_delta"} if self.opened else set())
+        return [e for e in replay_events(message) if not (e["type"] in sent and e.get("index", 0) == 0)]
+
+
+def live_events(body: Mapping[str, Any], convert: Any) -> LiveMessage:
+    """The events of a call relayed while generated (``served_stream.py``)."""
+    return LiveMessage(body)
 
 
 def replay_events(message: Mapping[str, Any]) -> list[dict[str, Any]]:

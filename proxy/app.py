@@ -43,7 +43,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
-from . import anthropic_api, chat_served, protocol, responses_api
+from . import anthropic_api, chat_served, protocol, responses_api, served_stream
 from .call_log import log_call, log_refusal
 from .capture import Attribution, RolloutLedger, build_call_record
 from .config import ProxyConfig
@@ -171,6 +171,7 @@ class Exchange:
     rendered: list[int] | None = None  # token continuity: the chat template's rendering of the messages
     chat_messages: list[Any] | None = None  # a call served as a chat completion: the chat messages it amounts to
     answer_as: Any = None  # such a call: its translation from the chat completion (the route's ``converter``)
+    live: served_stream.ServedStream | None = None  # such a call streamed while generated (``served_stream.py``)
 
 
 class CaptureProxy:
@@ -425,11 +426,13 @@ class CaptureProxy:
         try:
             async with self.gate.admit():
                 chat_body = self._as_chat(route, body)
+                streams = body.get("stream") is True
                 if self.continuity is not None and (route == "chat" or chat_body is not None):
                     try:
                         plan = await self.continuity.plan(
                             who,
-                            body if chat_body is None else chat_body,
+                            body if chat_body is None else served_stream.streamed_chat(chat_body) if streams
+                            else chat_body,
                             self.ledger.recent_calls(who.key),
                             cfg.model_name,
                             cfg.sampling_for(who.rollout_id) if cfg.train else {},
@@ -446,7 +449,11 @@ class CaptureProxy:
                             route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt, None if chat_body is None else chat_body["messages"], answer_as,
                         )  # fmt: skip
-                        if chat_body is not None and body.get("stream") is True:
+                        if chat_body is not None and streams and plan.stream:  # through /v1/completions
+                            x.live = served_stream.ServedStream(plan.convert_chunk, answer_as,
+                                                                wire(route).live_events(body, answer_as))
+                            return await self._streamed(request, x)
+                        if chat_body is not None and streams:  # the server's parsers read the whole answer
                             return await self._replayed(request, x)
                         if getattr(plan, "replay", False):  # a streamed chat call the server's parsers read
                             return await self._replayed(request, x, plan.replay_sse)  # type: ignore[attr-defined]
@@ -721,9 +728,9 @@ class CaptureProxy:
             headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
         )
         await resp.prepare(request)
-        route, wants, convert = x.route, x.wants, x.convert
+        route, wants, convert, live = x.route, x.wants, x.convert, x.live
         shapes = wire(route)
-        assembler = shapes.StreamAssembler(route)
+        assembler = live if live is not None else shapes.StreamAssembler(route)
         raw_passthrough = wants.token_ids and wants.logprobs and convert is None
         status, http_status = CallStatus.OK, up.response.status
         error_event: bytes | None = None
@@ -774,6 +781,8 @@ class CaptureProxy:
                         done = True
                     elif event.data is None:
                         out.append(raw if raw.endswith(b"\n\n") else raw + b"\n\n")
+                    elif live is not None:
+                        out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.feed(event.data)]
                     else:
                         for chunk in convert(event.data) if convert is not None else (event.data,):
                             assembler.feed(chunk)
@@ -784,12 +793,18 @@ class CaptureProxy:
                     break
             if assembler.error is not None:
                 status = CallStatus.ERROR
+            if live is not None:  # the route's error event, or its closing events built before the record
+                ending = (shapes.error_event(assembler.error.get("error", assembler.error)) if assembler.error
+                          else self._closing(live, shapes, wants) if done else b"")
             record(status, http_status)
-            if error_event is not None:
-                await send(error_event)
-                done = True
-            if done:
-                await send(SSE_DONE)
+            if live is not None:
+                await send(ending)  # no [DONE]: these routes end with their own events
+            else:
+                if error_event is not None:
+                    await send(error_event)
+                    done = True
+                if done:
+                    await send(SSE_DONE)
             await resp.write_eof()
         except _HarnessGone:
             if not recorded:
@@ -799,6 +814,11 @@ class CaptureProxy:
                 record(CallStatus.ABORTED, HTTP_CLIENT_CLOSED)
             raise
         return resp
+
+    @staticmethod
+    def _closing(live: served_stream.ServedStream, shapes: Any, wants: ClientWants) -> bytes:
+        """The closing events of a stream relayed while generated (the whole answer translated, ``finish``)."""
+        return b"".join(shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.finish())
 
     # -- models, rewards, rollout end --------------------------------------------------------------------
 

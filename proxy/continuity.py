@@ -50,8 +50,10 @@ leaves the row inside the previous completion).
 
 Anthropic Messages and (in train mode) Responses calls are served as the chat completions they amount to
 (``chat_served.py``), and continue in the same way: the plan is made on the translated chat request, and the
-ledger keeps each such call's translated messages and reply (``LastCall.of``'s ``chat``). They are never
-streamed upstream (a streamed one is answered whole), so their calls with tools continue even when streamed.
+ledger keeps each such call's translated messages and reply (``LastCall.of``'s ``chat``). A streamed one
+continued through ``/v1/completions`` is streamed upstream and relayed while generated, as its route's events
+(``served_stream.py``); one the server's parsers read is answered whole and replayed, so their calls with
+tools continue even when streamed.
 
 Whenever something does not line up -- no earlier chat call, structured output, n > 1, a request field this
 conversion does not know, messages that extend no recent call, no render endpoints where a parser is needed,

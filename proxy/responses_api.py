@@ -21,6 +21,9 @@ Streaming: vLLM's streamed Responses leave out the log-probs of tokens whose tex
 character cut between tokens; measured: 13-16 log-probs for 16 tokens on the tiny model), so in train mode
 a streamed call is sent upstream unstreamed and its answer replayed to the harness as the event sequence
 vLLM streams (``replay_events``), once the answer is complete: exact capture over token-by-token delivery.
+A streamed call served as a chat completion and continued through ``/v1/completions`` (no tools, no reasoning
+parser) is relayed while generated instead, one ``response.output_text.delta`` per chunk, every log-prob
+included (``LiveResponse``, ``served_stream.py``).
 
 Log-probs come only for ``output_text``: a completion that is (partly) a function call or reasoning gets
 fewer log-probs than tokens, and the learner drops such a call as ``malformed`` instead of guessing.
@@ -186,15 +189,15 @@ class ResponsesHeartbeat(protocol.Heartbeat):
 
     def __init__(self, body: Mapping[str, Any], response_id: str) -> None:
         super().__init__(b"")
-        self.start = {**envelope(body, response_id, int(time.time()), body.get("model")), "status": "in_progress",
-                      "output": [], "usage": None}
+        self.start_response = {**envelope(body, response_id, int(time.time()), body.get("model")),
+                               "status": "in_progress", "output": [], "usage": None}
         self.sent = 0
 
     def beat(self) -> bytes:
         kinds = ("response.in_progress",) if self.sent else ("response.created", "response.in_progress")
         out = []
         for kind in kinds:
-            out.append(sse_bytes({"response": self.start, "sequence_number": self.sent, "type": kind}))
+            out.append(sse_bytes({"response": self.start_response, "sequence_number": self.sent, "type": kind}))
             self.sent += 1
         return b"".join(out)
 
@@ -205,9 +208,64 @@ class ResponsesHeartbeat(protocol.Heartbeat):
         return [{**e, "sequence_number": self.sent + i} for i, e in enumerate(kept)]
 
 
+class LiveResponse(ResponsesHeartbeat):
+    """The Responses events for an answer relayed while generated (``served_stream.py``): the answer's start
+    (``beat``), the message item and its ``output_text`` part opened with the first text, one
+    ``response.output_text.delta`` per chunk (with that chunk's log-probs), then the rest of ``replay_events``
+    for the whole answer (``rest``: the text's and the item's ends, any later item, the final event with usage),
+    numbered on. The answer's id is the one ``converter`` gives it (``response_id``)."""
+
+    def __init__(self, body: Mapping[str, Any], response_id: str) -> None:
+        super().__init__(body, response_id)
+        self.item_id = f"msg_{response_id.removeprefix('resp_')}"  # as ``from_chat`` names the message item
+        self.opened = False  # the message item (output 0: there is no reasoning item on this path)
+        self.pending: list[dict[str, Any]] = []  # log-probs of tokens whose text is still empty
+
+    def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
+        return self._numbered([{"type": kind, "response": self.start_response}
+                               for kind in ("response.created", "response.in_progress")])
+
+    def text(self, delta: str, logprobs: Any) -> list[dict[str, Any]]:
+        """A delta with its log-probs; those of a token whose text is still empty (vLLM's own stream drops them)
+        go out with the next text, or with an empty delta at the end, so the deltas carry every log-prob."""
+        self.pending += _response_logprobs({"logprobs": logprobs})
+        if not delta:
+            return []
+        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        events: list[dict[str, Any]] = []
+        if not self.opened:
+            self.opened = True
+            item = {"id": self.item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            events += [{"type": "response.output_item.added", "item": item, "output_index": 0},
+                       {"type": "response.content_part.added", "part": part, **where}]
+        events.append({"type": "response.output_text.delta", "delta": delta, "logprobs": self.pending, **where})
+        self.pending = []
+        return self._numbered(events)
+
+    def end(self, response: Mapping[str, Any]) -> list[dict[str, Any]]:
+        sent = ("response.output_item.added", "response.content_part.added", "response.output_text.delta")
+        events = [e for e in replay_events(response)
+                  if not (self.opened and e["type"] in sent and e.get("output_index") == 0)]
+        if self.opened and self.pending:  # the last tokens' (a stop token's) log-probs
+            where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+            events.insert(0, {"type": "response.output_text.delta", "delta": "", "logprobs": self.pending, **where})
+        return self.rest(events)
+
+    def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = [{**e, "sequence_number": self.sent + i} for i, e in enumerate(events)]
+        self.sent += len(out)
+        return out
+
+
 def heartbeat(body: Mapping[str, Any], convert: Any) -> protocol.Heartbeat:
     """The keep-alive of a streamed call answered whole (``convert``: the answer's translation, or None)."""
     return ResponsesHeartbeat(body, getattr(convert, "response_id", None) or new_response_id())
+
+
+def live_events(body: Mapping[str, Any], convert: Converter) -> LiveResponse:
+    """The events of a call relayed while generated (``served_stream.py``), under the id ``convert`` gives it."""
+    return LiveResponse(body, convert.response_id)
 
 
 def new_response_id() -> str:

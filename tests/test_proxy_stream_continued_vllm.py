@@ -1,0 +1,147 @@
+"""A streamed, continued Messages or Responses call is relayed while generated (``proxy/served_stream.py``).
+
+Claude Code and Codex CLI always stream. A continued call without tools goes to vLLM's ``/v1/completions``
+with its parent's exact tokens; streamed, its text reaches the harness chunk by chunk (one text event per
+chunk, the first long before the closing events), and the call is stored exactly as the same call unstreamed:
+same prompt and completion token ids, same log-probs, same answer (ids aside). The runs are made comparable by
+the proxy's sampling override: a fixed seed, and ``ignore_eos`` so that every answer has ``max_tokens`` tokens.
+The real ``anthropic`` and ``openai`` clients read the streams, which proves them valid for the SDKs.
+"""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
+from proxy_servers import metric_value
+
+from harnessrl.store import CallStatus
+
+pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, vllm_server (the plain server, shared)
+
+pytestmark = pytest.mark.vllm
+
+SYSTEM = "you are a coding agent"
+FIRST = "read file 42"
+NEXT = "now fix the error in the test"
+TOKENS = 64  # the continued answer's length (ignore_eos)
+
+
+@pytest.fixture(scope="module")
+def captured(vllm_server, tmp_path_factory: pytest.TempPathFactory):
+    from vllm_fixtures import proxy_in_front
+
+    sampling = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
+    with proxy_in_front(vllm_server, tmp_path_factory.mktemp("proxy-stream"), "test-run", sampling) as pair:
+        yield pair
+
+
+def used(proxy) -> float:
+    return metric_value(httpx.get(f"{proxy.url}/metrics").text, "harnessrl_proxy_token_continuity_total",
+                        outcome="used") or 0
+
+
+def continued_calls(store, proxy, rollouts: list[str]) -> list:
+    """The second (continued) call of each rollout, checked complete."""
+    proxy.flush(60)
+    out = []
+    for rollout in rollouts:
+        first, second = store.read_calls(rollout, 0)
+        assert first.status is second.status is CallStatus.OK
+        assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.completion_token_ids)] == [
+            *first.prompt_token_ids, *first.completion_token_ids]  # it continued the first call's tokens
+        assert len(second.completion_token_ids) == len(second.logprobs) == TOKENS
+        out.append(second)
+    return out
+
+
+def without_ids(obj):
+    """``obj`` without the answers' ids and creation times (each call has its own)."""
+    if isinstance(obj, dict):
+        return {k: without_ids(v) for k, v in obj.items() if k not in ("id", "created_at")}
+    return [without_ids(v) for v in obj] if isinstance(obj, list) else obj
+
+
+def assert_same_capture(unary, streamed) -> None:
+    assert streamed.prompt_token_ids == unary.prompt_token_ids
+    assert streamed.completion_token_ids == unary.completion_token_ids
+    assert streamed.logprobs == pytest.approx(unary.logprobs, abs=1e-4)
+    assert streamed.finish_reason == unary.finish_reason == "length"
+    assert without_ids(streamed.request) == without_ids({**unary.request, "stream": True})
+    assert without_ids(streamed.response) == without_ids(unary.response)
+
+
+def test_continued_messages_stream_while_generated_and_store_what_unstreamed_stores(captured):
+    store, proxy = captured
+    before = used(proxy)
+    kwargs = {"model": "m", "system": SYSTEM}
+    finals = {}
+    for stream in (False, True):
+        c = anthropic.Anthropic(base_url=f"{proxy.url}/rollouts/msg-{stream}/attempts/0", api_key="unused",
+                                max_retries=0, timeout=120)
+        messages: list[dict] = [{"role": "user", "content": FIRST}]
+        first = c.messages.create(**kwargs, max_tokens=16, messages=messages)
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": NEXT}]
+        if not stream:
+            finals[stream] = c.messages.create(**kwargs, max_tokens=TOKENS, messages=messages)
+            continue
+        with c.messages.stream(**kwargs, max_tokens=TOKENS, messages=messages) as events:
+            seen = list(events)
+            finals[stream] = events.get_final_message()
+        kinds = [e.type for e in seen]
+        deltas = [i for i, e in enumerate(seen) if e.type == "content_block_delta"]
+        # streamed: one text delta per chunk, all before the stop reason and usage (a replay sends one)
+        assert len(deltas) > 1 and deltas[-1] < kinds.index("message_delta")
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert seen[0].message.usage.input_tokens > 0
+        text = "".join(seen[i].delta.text for i in deltas)
+        assert [b.text for b in finals[stream].content] == [text]
+        print(f"messages: {len(deltas)} text deltas before message_delta for a {TOKENS}-token answer")
+    assert used(proxy) - before == 2
+    unary, streamed = continued_calls(store, proxy, ["msg-False", "msg-True"])
+    assert_same_capture(unary, streamed)
+    message = finals[True]
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == TOKENS
+    assert message.usage.input_tokens == len(streamed.prompt_token_ids)
+    assert message.model_dump(exclude={"id"}) == finals[False].model_dump(exclude={"id"})
+    assert streamed.response == message.model_dump(exclude_none=True) | {"stop_sequence": None}
+
+
+def test_continued_responses_stream_while_generated_and_store_what_unstreamed_stores(captured):
+    store, proxy = captured
+    before = used(proxy)
+    kwargs = {"model": "m", "instructions": SYSTEM, "include": ["message.output_text.logprobs"]}
+    finals = {}
+    for stream in (False, True):
+        c = openai.OpenAI(base_url=f"{proxy.url}/rollouts/resp-{stream}/attempts/0/v1", api_key="unused",
+                          max_retries=0, timeout=120)
+        items: list[dict] = [{"role": "user", "content": FIRST}]
+        first = c.responses.create(**kwargs, input=items, max_output_tokens=16)
+        items += [*(item.model_dump(exclude_none=True) for item in first.output), {"role": "user", "content": NEXT}]
+        if not stream:
+            finals[stream] = c.responses.create(**kwargs, input=items, max_output_tokens=TOKENS)
+            continue
+        with c.responses.stream(**kwargs, input=items, max_output_tokens=TOKENS) as events:  # the SDK's helper
+            seen = list(events)  # (its get_final_response wants response.completed: this answer is incomplete)
+        assert [e.sequence_number for e in seen] == list(range(len(seen)))
+        assert [e.type for e in seen[:2]] == ["response.created", "response.in_progress"]
+        deltas = [i for i, e in enumerate(seen) if e.type == "response.output_text.delta"]
+        assert len(deltas) > 1 and deltas[-1] < len(seen) - 1 and seen[-1].type == "response.incomplete"
+        finals[stream] = seen[-1].response
+        assert finals[stream].id == seen[0].response.id
+        text = "".join(seen[i].delta for i in deltas)
+        assert finals[stream].output_text == seen[deltas[-1]].snapshot == text  # the SDK's accumulated text
+        delta_logprobs = [lp.logprob for i in deltas for lp in seen[i].logprobs]
+        print(f"responses: {len(deltas)} text deltas before the final event for a {TOKENS}-token answer")
+    assert used(proxy) - before == 2
+    unary, streamed = continued_calls(store, proxy, ["resp-False", "resp-True"])
+    assert delta_logprobs == streamed.logprobs  # the harness's own log-probs, chunk by chunk, are the stored ones
+    assert_same_capture(unary, streamed)
+    response = finals[True]
+    assert response.usage.input_tokens == len(streamed.prompt_token_ids)
+    assert response.usage.output_tokens == TOKENS
+    assert without_ids(response.model_dump()) == without_ids(finals[False].model_dump())
