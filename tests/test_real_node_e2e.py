@@ -24,6 +24,9 @@ import pytest
 import yaml
 
 import kube_helpers
+from prometheus_monitors import Discovery, scrape_configs
+from test_chart_dashboards import Processes, ask, dashboards, prometheus_binary, queries, start_prometheus
+
 from harnessrl.devcluster import Cluster
 from harnessrl.devcluster.helm import ensure_helm
 from harnessrl.devcluster.images import ensure_images, import_images
@@ -34,6 +37,19 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "vowels" / "trainingrun-cluster.yaml"
 RELEASE, SYSTEM, TEAM = "harnessrl", "harnessrl-system", "team-a"
 STEPS = 2
+INSTALL_VALUES = (
+    "--set", "postgresql.persistence.size=1Gi",
+    "--set", "postgresql.resources.requests.memory=128Mi", "--set", "operator.resources.requests.memory=128Mi",
+    # harness pods fill the node's CPU: a deleted PostgreSQL or operator pod must get back before them
+    "--set", "postgresql.priorityClassName=system-cluster-critical",
+    "--set", "operator.priorityClassName=system-cluster-critical",
+)  # fmt: skip
+NO_SERIES_IN_A_HAPPY_RUN = (
+    "harnessrl_operator_reconcile_errors_total", "harnessrl_operator_pod_create_failures_total",
+    "harnessrl_operator_evaluation_", "harnessrl_proxy_write_errors_total",
+)  # fmt: skip
+"""Dashboard metrics with series only after a failure (their labels name it), or for a spec with evaluation."""
+__all__ = ["prometheus_binary"]  # the fixture, imported
 wait_for = functools.partial(kube_helpers.wait_for, every=2.0)
 
 
@@ -58,12 +74,7 @@ def installed(real_cluster: Cluster) -> Cluster:
     real_cluster.kubectl("create", "namespace", SYSTEM)
     result = subprocess.run(
         [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "install", RELEASE, str(ROOT / "charts" / "harnessrl"),
-         "--namespace", SYSTEM, "--wait", "--timeout", "600s",
-         "--set", "postgresql.persistence.size=1Gi",
-         "--set", "postgresql.resources.requests.memory=128Mi", "--set", "operator.resources.requests.memory=128Mi",
-         # harness pods fill the node's CPU: a deleted PostgreSQL or operator pod must get back before them
-         "--set", "postgresql.priorityClassName=system-cluster-critical",
-         "--set", "operator.priorityClassName=system-cluster-critical"],
+         "--namespace", SYSTEM, "--wait", "--timeout", "600s", *INSTALL_VALUES],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + diagnose(real_cluster)
@@ -117,8 +128,62 @@ def wait_succeeded(cluster: Cluster, name: str, also: Any = None) -> dict[str, A
         raise AssertionError(str(error) + diagnose(cluster)) from None
 
 
-def test_vowels_trains_through_the_operator(installed: Cluster, prepared: dict[str, Any], tmp_path: Path) -> None:
+def monitors(cluster: Cluster) -> list[dict[str, Any]]:
+    """The chart's ServiceMonitor and PodMonitors as a cluster that serves monitoring.coreos.com/v1 gets them (this
+    one does not, so the install made none)."""
+    rendered = subprocess.run(
+        [str(ensure_helm()), "template", RELEASE, str(ROOT / "charts" / "harnessrl"), "--namespace", SYSTEM,
+         "--api-versions", "monitoring.coreos.com/v1", "--show-only", "templates/monitoring.yaml", *INSTALL_VALUES],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+
+
+def scraped(prometheus: str, since: float, namespace: str, run: str) -> list[str]:
+    """The dashboards' queries for this run that returned no series since ``since`` (failure-only ones aside)."""
+    empty = []
+    for board in dashboards().values():
+        for title, expr in queries(board):
+            expr = expr.replace('namespace=~".*", run=~".*"', f'namespace="{namespace}", run="{run}"')
+            answer = ask(prometheus, expr, since=since)
+            assert answer["status"] == "success", f"{title!r}: {expr}: {answer.get('error')}"
+            if not answer["data"]["result"] and not any(metric in expr for metric in NO_SERIES_IN_A_HAPPY_RUN):
+                empty.append(f"{title!r}: {expr}")
+    return empty
+
+
+def test_vowels_trains_through_the_operator(
+    installed: Cluster, prepared: dict[str, Any], tmp_path: Path, prometheus_binary: str
+) -> None:
+    """Also Prometheus, with the chart's monitors, scrapes the operator, each harness pod's proxy, the learner and
+    vLLM on the node: every dashboard query of the run returns series."""
     cluster = installed
+    processes = Processes(tmp_path)
+    discovery = Discovery(lambda resource: get(cluster, resource, "-A")["items"])
+    prometheus = start_prometheus(processes, prometheus_binary, [], tmp_path,
+                                  scrape_configs=scrape_configs(monitors(cluster), discovery.url))
+    started = time.time()
+    try:
+        trains_through_the_operator(cluster, prepared, tmp_path)
+        empty: list[str] = []
+
+        def every_query_has_series() -> bool:
+            empty[:] = scraped(prometheus, started, TEAM, "vowels")
+            return not empty
+
+        try:
+            wait_for("a series for every dashboard query of the run", every_query_has_series, timeout=60)
+        except AssertionError:
+            raise AssertionError("dashboard queries with no series:\n" + "\n".join(empty)) from None
+    except AssertionError:
+        print(processes.tail())
+        raise
+    finally:
+        processes.stop()
+        discovery.close()
+
+
+def trains_through_the_operator(cluster: Cluster, prepared: dict[str, Any], tmp_path: Path) -> None:
     operator = get(cluster, "pods", "-n", SYSTEM, "-l", "app.kubernetes.io/component=operator")["items"]
     assert [c["image"] for c in operator[0]["spec"]["containers"]] == ["ghcr.io/harnessrl/operator:0.1.0"]
     run = json.loads(json.dumps(prepared))
