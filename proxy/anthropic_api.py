@@ -348,6 +348,9 @@ class LiveMessage:
         self.body = body
         self.opened = False  # the text block (index 0: the message has no thinking block on this path)
 
+    def beat(self) -> bytes:
+        return KEEPALIVE
+
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
         message = {"id": head.get("id"), "type": "message", "role": "assistant", "content": [],
                    "model": self.body.get("model"), "stop_reason": None, "stop_sequence": None,

@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -762,7 +762,10 @@ class CaptureProxy:
             splitter = SSESplitter(MAX_SSE_EVENT_BYTES)
             while True:
                 try:
-                    data = await content.readany()
+                    if live is not None and not live.started:  # prefill: keep-alives until the first token
+                        data = await self._beating(content.readany(), live.beat, send)
+                    else:
+                        data = await content.readany()
                     events = splitter.feed(data) if data else [splitter.rest()]
                 except (aiohttp.ClientError, TimeoutError, HttpProcessingError, ValueError) as exc:
                     status, http_status = CallStatus.ERROR, 502
@@ -814,6 +817,21 @@ class CaptureProxy:
                 record(CallStatus.ABORTED, HTTP_CLIENT_CLOSED)
             raise
         return resp
+
+    async def _beating(self, read: Awaitable[bytes], beat: Callable[[], bytes],
+                       send: Callable[[bytes], Awaitable[None]]) -> bytes:
+        """``read``'s data, sending ``beat()`` every ``stream_keepalive_s`` until it is there: a stream relayed
+        while generated has nothing to send while the upstream reads a long prompt (Claude Code's is about 46k
+        tokens), and clients with stream idle timers must see the events they count, as on the replay path."""
+        task = asyncio.ensure_future(read)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive_s)
+                if done:
+                    return task.result()
+                await send(beat())
+        finally:
+            task.cancel()  # a harness gone, or the call cancelled: no read is left behind
 
     @staticmethod
     def _closing(live: served_stream.ServedStream, shapes: Any, wants: ClientWants) -> bytes:

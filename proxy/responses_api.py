@@ -222,6 +222,9 @@ class LiveResponse(ResponsesHeartbeat):
         self.pending: list[dict[str, Any]] = []  # log-probs of tokens whose text is still empty
 
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
+        """The answer's start, unless keep-alives (``beat``) already sent it."""
+        if self.sent:
+            return []
         return self._numbered([{"type": kind, "response": self.start_response}
                                for kind in ("response.created", "response.in_progress")])
 

@@ -13,15 +13,19 @@ converted to chat chunks (``Plan.convert_chunk``), then to the route's text even
 assembled as a streamed chat call is (``protocol.StreamAssembler``), and once the upstream ends, the whole chat
 completion is translated as the unary path translates it (``answer_as``): the closing events (the block's or
 item's end, the stop reason, the usage) come from that answer, so the harness's final message and the stored
-call (request, answer, token ids, log-probs) are what the same call unstreamed gives.
+call (request, answer, token ids, log-probs) are what the same call unstreamed gives. Until the first token
+(the upstream reading a long prompt) the route's keep-alive goes out every ``stream_keepalive_s``, as on the
+replay path.
 
 What is still answered whole, then replayed (with keep-alives while generating):
 
-* calls with tools, ``tool_choice: none`` included: the server's tool parser reads the whole answer
-  (derender), and text streamed before it would be wrong once the parser takes that text for a tool call,
-  which it may do at any later token (the hermes parser claims everything from ``<tool_call>`` on); and
-  with ``tool_choice: none`` the call is still rendered with its tools through the server's render endpoint,
-  the path that continues such calls exactly;
+* calls with tools: the server's tool parser reads the whole answer (derender), and text streamed before it
+  would be wrong once the parser takes that text for a tool call, which it may do at any later token (the
+  hermes parser claims everything from ``<tool_call>`` on). ``tool_choice: none`` too: vLLM 0.32's
+  engine-based parsers still rewrite the content then (``parser/abstract_parser.py`` runs
+  ``extract_tool_calls`` and keeps its content), and whether the prompt holds the tools depends on the
+  server's ``--exclude-tools-when-tool-choice-none``, which only its render endpoint knows; the answer a
+  harness gets must be the one the chat route gives, so these stay on the render / generate / derender path;
 * calls whose reasoning a reasoning parser splits off, for the same reason;
 * first calls of a conversation (no earlier call to continue: the plain chat route, answered whole and
   translated; vLLM's own Messages and Responses streams carry no token ids or lose log-probs).
@@ -39,6 +43,9 @@ from .protocol import StreamAssembler, Tokens
 class LiveEvents(Protocol):
     """A route's events for an answer relayed while generated (``anthropic_api.LiveMessage``,
     ``responses_api.LiveResponse``)."""
+
+    def beat(self) -> bytes:
+        """A keep-alive before the first token (the replay path's ``heartbeat``)."""
 
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]: ...
 
@@ -66,7 +73,7 @@ class ServedStream:
         self.live = live
         self.chat = StreamAssembler("chat")
         self.error: dict[str, Any] | None = None
-        self._started = False
+        self.started = False  # the first chunk came: its start events are sent
         self._answer: dict[str, Any] | None = None
 
     def feed(self, upstream_chunk: dict[str, Any]) -> list[dict[str, Any]]:
@@ -77,8 +84,8 @@ class ServedStream:
                 continue
             self.chat.feed(chunk)
             choices = chunk.get("choices") or []
-            if not self._started and choices:
-                self._started = True
+            if not self.started and choices:
+                self.started = True
                 events += self.live.start(chunk, len(chunk.get("prompt_token_ids") or ()))
             for choice in choices:
                 delta = choice.get("delta") or {}
@@ -86,6 +93,9 @@ class ServedStream:
                 if choice.get("index", 0) == 0 and (content or choice.get("logprobs")):  # a token's empty text too
                     events += self.live.text(content if isinstance(content, str) else "", choice.get("logprobs"))
         return events
+
+    def beat(self) -> bytes:
+        return self.live.beat()
 
     def finish(self) -> list[dict[str, Any]]:
         """The closing events of a stream the upstream completed."""

@@ -10,6 +10,8 @@ The real ``anthropic`` and ``openai`` clients read the streams, which proves the
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -27,15 +29,15 @@ pytestmark = pytest.mark.vllm
 SYSTEM = "you are a coding agent"
 FIRST = "read file 42"
 NEXT = "now fix the error in the test"
-TOKENS = 64  # the continued answer's length (ignore_eos)
+TOKENS = 128  # the continued answer's length (ignore_eos)
+SAMPLING = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def captured(vllm_server, tmp_path_factory: pytest.TempPathFactory):
     from vllm_fixtures import proxy_in_front
 
-    sampling = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
-    with proxy_in_front(vllm_server, tmp_path_factory.mktemp("proxy-stream"), "test-run", sampling) as pair:
+    with proxy_in_front(vllm_server, tmp_path_factory.mktemp("proxy-stream"), "test-run", SAMPLING) as pair:
         yield pair
 
 
@@ -145,3 +147,52 @@ def test_continued_responses_stream_while_generated_and_store_what_unstreamed_st
     assert response.usage.input_tokens == len(streamed.prompt_token_ids)
     assert response.usage.output_tokens == TOKENS
     assert without_ids(response.model_dump()) == without_ids(finals[False].model_dump())
+
+
+def sse_data(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=120) as answer:
+        assert answer.status_code == 200
+        return [json.loads(line.removeprefix("data: ")) for line in answer.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_continued_stream_sends_keepalives_until_its_first_token(vllm_server, tmp_path):
+    """The upstream reading the prompt (about 2,000 tokens here) sends nothing: the route's keep-alive events go
+    out every ``stream_keepalive_s`` (1 ms: a clear margin under the prompt's reading) until the first token."""
+    from vllm_fixtures import proxy_in_front
+
+    long_turn = " ".join(f"line {i} of the failing test output" for i in range(250))
+    # no seed: vLLM 0.32 on CPU kills its engine on a seeded request whose prompt is prefilled in chunks
+    # ("CPU Generator does not use offset"), which would take the shared server down
+    sampling = {"temperature": 1.0, "ignore_eos": True}
+    with proxy_in_front(vllm_server, tmp_path, "test-run", sampling, stream_keepalive_s=0.001) as (store, proxy):
+        base = f"{proxy.url}/rollouts/keepalive/attempts/0/v1"
+        c = anthropic.Anthropic(base_url=f"{proxy.url}/rollouts/keepalive/attempts/0", api_key="unused",
+                                max_retries=0, timeout=120)
+        messages: list[dict] = [{"role": "user", "content": FIRST}]
+        first = c.messages.create(model="m", system=SYSTEM, max_tokens=8, messages=messages)
+        messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+                     {"role": "user", "content": long_turn}]
+        before = used(proxy)
+        events = sse_data(f"{base}/messages", {"model": "m", "system": SYSTEM, "max_tokens": 8, "stream": True,
+                                               "messages": messages})
+        kinds = [e["type"] for e in events]
+        start = kinds.index("message_start")
+        assert start > 0 and set(kinds[:start]) == {"ping"} and "ping" not in kinds[start:]
+        assert kinds[-1] == "message_stop" and events[start]["message"]["usage"]["input_tokens"] > 2000
+
+        items: list[dict] = [{"role": "user", "content": FIRST}]
+        answer = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120).responses.create(
+            model="m", input=items, max_output_tokens=8)
+        items += [*(item.model_dump(exclude_none=True) for item in answer.output), {"role": "user", "content": long_turn}]
+        events = sse_data(f"{base}/responses", {"model": "m", "input": items, "max_output_tokens": 8, "stream": True})
+        kinds = [e["type"] for e in events]
+        assert kinds[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+        assert kinds.count("response.created") == 1 and kinds[-1] == "response.incomplete"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        assert {e["response"]["id"] for e in events if "response" in e} == {events[-1]["response"]["id"]}
+        assert used(proxy) - before == 2
+        print(f"keep-alives before the first token: {start} pings, {kinds.count('response.in_progress')} in_progress")
+        proxy.flush(60)
+        calls = store.read_calls("keepalive", 0)
+        assert [c.status for c in calls] == [CallStatus.OK] * 4
+        assert all(len(c.completion_token_ids) == len(c.logprobs) == 8 for c in calls)
