@@ -51,7 +51,7 @@ def continued_calls(store, proxy, rollouts: list[str]) -> list:
     proxy.flush(60)
     out = []
     for rollout in rollouts:
-        first, second = store.read_calls(rollout, 0)
+        first, second = store.read_calls(rollout, 0)[:2]
         assert first.status is second.status is CallStatus.OK
         assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.completion_token_ids)] == [
             *first.prompt_token_ids, *first.completion_token_ids]  # it continued the first call's tokens
@@ -111,6 +111,16 @@ def test_continued_messages_stream_while_generated_and_store_what_unstreamed_sto
     assert message.usage.input_tokens == len(streamed.prompt_token_ids)
     assert message.model_dump(exclude={"id"}) == finals[False].model_dump(exclude={"id"})
     assert streamed.response == message.model_dump(exclude_none=True) | {"stop_sequence": None}
+    # the next call continues the streamed one (the ledger kept its tokens and reply), streamed in turn
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                 {"role": "user", "content": "thanks"}]
+    with c.messages.stream(**kwargs, max_tokens=8, messages=messages) as events:
+        assert events.get_final_message().usage.output_tokens == 8
+    assert used(proxy) - before == 3
+    proxy.flush(60)
+    third = store.read_calls("msg-True", 0)[2]
+    assert third.prompt_token_ids[: len(streamed.prompt_token_ids) + TOKENS] == [
+        *streamed.prompt_token_ids, *streamed.completion_token_ids]
 
 
 def test_continued_responses_stream_while_generated_and_store_what_unstreamed_stores(captured):
