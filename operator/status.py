@@ -16,6 +16,9 @@ from harnessrl.spec.status import EVALUATED_VERSIONS_SHOWN, ConditionType, Phase
 from harnessrl.store import RolloutState
 from harnessrl.store.evaluations import EvaluationResult, best_version
 
+REWARD_DIGITS = 4
+"""Decimals of ``status.rewardMean``, the REWARD column of ``kubectl get tr``."""
+
 
 @dataclass
 class Observed:
@@ -170,7 +173,9 @@ def build_status(observed: Observed, previous: dict[str, Any] | None) -> dict[st
     for key, value in (
         ("policyVersion", observed.policy_version),
         ("step", observed.step),
-        ("rewardMean", observed.reward_mean),
+        # Rounded: `kubectl get tr` prints the number as stored (0.19433710522465142 made a REWARD column of 19
+        # characters); the exact mean is in the store, the learner's metrics and `harnessrl status`.
+        ("rewardMean", None if observed.reward_mean is None else round(observed.reward_mean, REWARD_DIGITS)),
         ("startTime", observed.start_time or previous.get("startTime")),
         ("completionTime", observed.completion_time or previous.get("completionTime")),
     ):

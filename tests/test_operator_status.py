@@ -25,6 +25,8 @@ def test_status_fields_and_conditions() -> None:
     assert conditions == {"StoreReady": ("True", "Connected"), "RolloutReady": ("True", "Serving"),
                           "LearnerReady": ("False", "NotRunning"), "Progressing": ("True", "Running")}
     assert (status["policyVersion"], status["step"], status["rewardMean"]) == (1, 1, 0.25)
+    # kubectl's REWARD column shows the number as stored: four decimals, not a float's seventeen digits
+    assert build_status(observed(reward_mean=0.19433710522465142), None)["rewardMean"] == 0.1943
 
 
 def test_transition_times_move_only_with_the_status() -> None:
