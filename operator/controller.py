@@ -36,7 +36,7 @@ from harnessrl.spec.harness import Tasks
 from harnessrl.spec.models import TrainingRun
 from harnessrl.spec.problems import InvalidSpec, parse_training_run
 from harnessrl.spec.status import Phase, Reason
-from harnessrl.store import TraceStore
+from harnessrl.store import RunOwnedElsewhere, TraceStore
 from harnessrl.store.evaluations import evaluation_results
 from harnessrl.store.learner_ledger import LearnerLedger
 
@@ -296,12 +296,21 @@ class RunController:
     def _connect_store(self, observed: Observed) -> None:
         if self.store is None:
             url = self._store_url()
+            owner = f"{self.namespace}/{self.name}"
             try:
                 store = TraceStore.connect(url)
                 store.upgrade()
                 store.ensure_run(
-                    self.name, self.run.model_dump(mode="json", by_alias=True, exclude_none=True)
+                    self.name, self.run.model_dump(mode="json", by_alias=True, exclude_none=True), owner=owner
                 )
+            except RunOwnedElsewhere as exc:
+                store.close()
+                raise RunProblem(
+                    Reason.INVALID_SPEC,
+                    f"metadata.name: the trace store already holds a run {self.name!r} of TrainingRun {exc.owner}, "
+                    "and a store names runs by name alone — give this run another name, or set spec.store to "
+                    "another database; nothing of the other run was changed",
+                ) from None
             except Exception as exc:  # noqa: BLE001 - any failure to reach the store is reported, not raised
                 raise RunProblem(
                     Reason.STORE_UNAVAILABLE,

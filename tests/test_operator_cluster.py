@@ -20,6 +20,7 @@ from typing import Any
 import kube_helpers
 import pytest
 from kopf.testing import KopfRunner
+from sqlalchemy import select
 
 from harnessrl.devcluster import Cluster
 from harnessrl.devcluster.kwok import EXIT_CODE, IMAGE_PULL_BACKOFF_IMAGE, RUN_FOR
@@ -32,6 +33,7 @@ from harnessrl.operator.naming import (
     RUN_LABEL,
 )
 from harnessrl.store import RolloutState, TraceStore
+from harnessrl.store.schema import Run
 
 pytestmark = pytest.mark.postgres
 
@@ -437,6 +439,30 @@ def test_a_missing_secret_is_reported_naming_the_field_and_the_run_waits_for_it(
             lambda: get(kube, ns, "tr", run).get("status", {}).get("phase") == "Running",
         )
         kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+
+
+def test_a_run_whose_name_another_namespace_uses_in_the_store_fails_naming_it(
+    kube: Cluster, kube_namespace: str, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store names runs by name alone: a run of a name another namespace's TrainingRun holds in the same
+    store fails (InvalidSpec, metadata.name), and that run's rows stay as they were."""
+    ns, run = kube_namespace, f"owned-{kube_namespace[-6:]}"
+    store = TraceStore.connect(pg_url)
+    store.upgrade()
+    store.ensure_run(run, {"theirs": True}, owner=f"elsewhere/{run}")
+    with operator(kube, ns, monkeypatch):
+        kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(training_run(run, pg_url)))
+        status = wait_for("the run to fail", lambda: s if (
+            s := get(kube, ns, "tr", run).get("status", {})).get("phase") == "Failed" else None)
+        assert status["reason"] == "InvalidSpec", status
+        assert status["message"].startswith(
+            f"metadata.name: the trace store already holds a run '{run}' of TrainingRun elsewhere/{run}"), status
+        assert not harness_pods(kube, ns, run)
+        kube.kubectl("delete", "tr", run, "-n", ns, "--wait=true", "--timeout=60s")
+    with store.engine.connect() as conn:
+        assert conn.execute(select(Run.owner, Run.spec).where(Run.name == run)).one() == (
+            f"elsewhere/{run}", {"theirs": True})
+    store.close()
 
 
 def test_a_run_with_a_verifier_gets_one_reward_token_that_the_harness_never_sees(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import insert, select
 
-from harnessrl.store import AttemptSettled, NotFound, RolloutState, TraceStore
+from harnessrl.store import AttemptSettled, NotFound, RolloutState, RunOwnedElsewhere, TraceStore
 from harnessrl.store.records import utcnow
 from harnessrl.store.schema import PolicyVersion, Run
 
@@ -131,6 +131,28 @@ def test_policy_versions_synced_flag(store: TraceStore) -> None:
     assert store.latest_policy_version("nobody") is None
     with pytest.raises(NotFound):
         store.mark_policy_synced("run", 9)
+
+
+def test_a_run_name_belongs_to_one_trainingrun(store: TraceStore) -> None:
+    """Two namespaces' runs of one name on one store: the second is refused and changes nothing; a run stored
+    without an owner (harnessrl run, an older operator) is claimed by the first operator to use it."""
+    def row() -> tuple[str | None, dict | None]:
+        with store.engine.connect() as conn:
+            return tuple(conn.execute(select(Run.owner, Run.spec).where(Run.name == "vowels")).one())
+
+    store.ensure_run("vowels", {"v": 0})  # no owner
+    store.ensure_run("vowels", {"v": 1}, owner="team-a/vowels")
+    assert row() == ("team-a/vowels", {"v": 1})
+    store.ensure_run("vowels", {"v": 2}, owner="team-a/vowels")  # its own operator again (a restart)
+    with pytest.raises(RunOwnedElsewhere) as refused:
+        store.ensure_run("vowels", {"v": 3}, owner="team-b/vowels")
+    assert refused.value.owner == "team-a/vowels"
+    assert row() == ("team-a/vowels", {"v": 2})
+    store.ensure_run("vowels")  # what writers do (create if missing) leaves the owner alone
+    assert row() == ("team-a/vowels", {"v": 2})
+    store.ensure_run("other", owner="team-b/other")  # a new run, owned from its first row
+    with store.engine.connect() as conn:
+        assert conn.scalar(select(Run.owner).where(Run.name == "other")) == "team-b/other"
 
 
 def test_a_group_is_created_in_one_call_and_again_is_a_no_op(store: TraceStore) -> None:

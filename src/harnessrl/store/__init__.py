@@ -8,7 +8,7 @@ from harnessrl.store.call_rows import InvalidCall, PreparedCall, prepare_call
 from harnessrl.store.delta import StoreCorruption
 from harnessrl.store.engine import StoreError
 from harnessrl.store.records import AttemptRecord, CallRecord, CallStatus, RolloutState, StoredCall
-from harnessrl.store.statements import NotFound
+from harnessrl.store.statements import NotFound, RunOwnedElsewhere
 from harnessrl.store.states import AttemptSettled, IllegalTransition, check_transition, is_legal
 from harnessrl.store.trace_store import TraceStore
 
@@ -22,6 +22,7 @@ __all__ = [
     "NotFound",
     "PreparedCall",
     "RolloutState",
+    "RunOwnedElsewhere",
     "StoreCorruption",
     "StoreError",
     "StoredCall",

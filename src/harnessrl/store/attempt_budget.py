@@ -54,7 +54,6 @@ def next_infra_retries(state: str, upstream_failed: bool, infra_retries: int) ->
     return infra_retries + int(state in RETRIED_STATES and bool(free_retry(upstream_failed, infra_retries)))
 
 
-
 def infrastructure_reason(reason: Any, when: Any = RolloutAttempt.upstream_failed) -> Any:
     """A failure's reason as an UPDATE sets it (SQL): with the ``INFRASTRUCTURE`` prefix where ``when`` holds,
     by default where the attempt's ``upstream_failed`` is set."""

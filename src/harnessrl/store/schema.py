@@ -95,6 +95,9 @@ class Run(Base):
     name: Mapped[str] = mapped_column(ID, primary_key=True)
     spec: Mapped[dict[str, Any] | None] = json_column(nullable=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    owner: Mapped[str | None] = mapped_column(ID, nullable=True)
+    """``<namespace>/<name>`` of the TrainingRun whose operator uses this run (``TraceStore.ensure_run``); none
+    for ``harnessrl run``'s runs and for runs stored before the column existed."""
 
 
 class Task(Base):

@@ -21,6 +21,14 @@ class NotFound(LookupError):
     """The run, task, rollout, attempt, call or policy version named does not exist in the store."""
 
 
+class RunOwnedElsewhere(Exception):
+    """The run name is another TrainingRun's in this store (``runs.owner``, ``<namespace>/<name>``)."""
+
+    def __init__(self, run: str, owner: str | None) -> None:
+        super().__init__(f"the store's run {run!r} belongs to TrainingRun {owner}")
+        self.run, self.owner = run, owner
+
+
 def dialect_insert(dialect_name: str) -> DialectInsert:
     """The dialect's ``insert`` (both have ``on_conflict_do_nothing`` / ``on_conflict_do_update``)."""
     return pg_insert if dialect_name == "postgresql" else sqlite_insert

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, func, literal, select, tuple_, update
+from sqlalchemy import Connection, Engine, Row, func, literal, or_, select, true, tuple_, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
@@ -42,6 +42,7 @@ from harnessrl.store.schema import (
 )
 from harnessrl.store.statements import (
     NotFound,
+    RunOwnedElsewhere,
     attempt_row,
     chunks,
     dialect_insert,
@@ -108,16 +109,28 @@ class TraceStore:
 
     # --- runs and tasks ------------------------------------------------------------------------------------
 
-    def ensure_run(self, run: str, spec: dict[str, Any] | None = None) -> None:
-        """Create the run if missing; a given ``spec`` replaces the stored one."""
+    def ensure_run(self, run: str, spec: dict[str, Any] | None = None, owner: str | None = None) -> None:
+        """Create the run if missing; a given ``spec`` replaces the stored one. With ``owner`` (an operator's
+        ``<namespace>/<name>``) the run must be that owner's or nobody's yet (then it becomes the owner's):
+        the store names runs by name alone, and two namespaces' runs of one name must not share rows.
+        Raises RunOwnedElsewhere, changing nothing, when another owner has it."""
         check_id(run, "run")
         with self._writer.begin() as conn:
-            if spec is None:
+            if spec is None and owner is None:
                 ensure_runs(conn, self._insert, [run])
                 return
-            _require_json(spec, "spec")
-            stmt = self._insert(Run).values(name=run, spec=spec, created_at=utcnow())
-            conn.execute(stmt.on_conflict_do_update(index_elements=[Run.name], set_={"spec": spec}))
+            if spec is not None:
+                _require_json(spec, "spec")
+            values = {"spec": spec} if spec is not None else {}
+            if owner is not None:
+                values["owner"] = owner
+            stmt = self._insert(Run).values(name=run, created_at=utcnow(), **values)
+            mine = or_(Run.owner.is_(None), Run.owner == owner) if owner is not None else true()
+            conn.execute(stmt.on_conflict_do_update(index_elements=[Run.name], set_=values, where=mine))
+            if owner is not None:
+                holder = conn.scalar(select(Run.owner).where(Run.name == run))
+                if holder != owner:
+                    raise RunOwnedElsewhere(run, holder)
 
     def add_tasks(self, run: str, tasks: Sequence[dict[str, Any]]) -> list[str]:
         """Store tasks (idempotent) and return their ids in order.
