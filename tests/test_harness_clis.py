@@ -167,16 +167,24 @@ def check_trainable(proxy: Any, store: TraceStore, rollout: str, route: str, con
     """Every call the proxy answered is stored, none refused; every completed call has a log-prob per token;
     the completed calls are ``conversations`` training rows, each of at most 1.05x its final trajectory. Returns
     the completed calls."""
-    proxy.flush(120)
     text = metrics(proxy)
-    calls = store.read_calls(rollout, 0)
+    answered = sum(metric_value(text, "harnessrl_proxy_requests_total", route=route, status=status) or 0
+                   for status in ("200", "499"))
+    # A call the harness left (the CLI stopped mid-call) is counted (499) when the harness goes, and captured as
+    # aborted once its upstream request is cancelled, a moment later: flush (every item captured so far in the
+    # store) until it is there too.
+    deadline = time.monotonic() + 60
+    while True:
+        proxy.flush(120)
+        calls = store.read_calls(rollout, 0)
+        if len(calls) >= answered or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     seen = [line for line in text.splitlines() if line.startswith(("harnessrl_proxy_requests_total",
                                                                   "harnessrl_proxy_refused_total"))]
     seen.append(str([(c.status.value, c.http_status, c.response if c.status is not CallStatus.OK else None)
                      for c in calls])[:3000])
     assert "harnessrl_proxy_refused_total{" not in text, seen
-    answered = sum(metric_value(text, "harnessrl_proxy_requests_total", route=route, status=status) or 0
-                   for status in ("200", "499"))
     assert len(calls) == answered > 0, seen
     done = [c for c in calls if c.status is CallStatus.OK]
     assert [c.route for c in done] == [route] * len(done)
