@@ -218,6 +218,7 @@ class LiveResponse(ResponsesHeartbeat):
     def __init__(self, body: Mapping[str, Any], response_id: str) -> None:
         super().__init__(body, response_id)
         self.item_id = f"msg_{response_id.removeprefix('resp_')}"  # as ``from_chat`` names the message item
+        self.where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}  # the text part's place
         self.opened = False  # the message item (output 0: there is no reasoning item on this path)
         self.pending: list[dict[str, Any]] = []  # log-probs of tokens whose text is still empty
 
@@ -234,15 +235,14 @@ class LiveResponse(ResponsesHeartbeat):
         self.pending += _response_logprobs({"logprobs": logprobs})
         if not delta:
             return []
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
         events: list[dict[str, Any]] = []
         if not self.opened:
             self.opened = True
             item = {"id": self.item_id, "type": "message", "role": "assistant", "status": "in_progress", "content": []}
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             events += [{"type": "response.output_item.added", "item": item, "output_index": 0},
-                       {"type": "response.content_part.added", "part": part, **where}]
-        events.append({"type": "response.output_text.delta", "delta": delta, "logprobs": self.pending, **where})
+                       {"type": "response.content_part.added", "part": part, **self.where}]
+        events.append({"type": "response.output_text.delta", "delta": delta, "logprobs": self.pending, **self.where})
         self.pending = []
         return self._numbered(events)
 
@@ -251,8 +251,8 @@ class LiveResponse(ResponsesHeartbeat):
         events = [e for e in replay_events(response)
                   if not (self.opened and e["type"] in sent and e.get("output_index") == 0)]
         if self.opened and self.pending:  # the last tokens' (a stop token's) log-probs
-            where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-            events.insert(0, {"type": "response.output_text.delta", "delta": "", "logprobs": self.pending, **where})
+            events.insert(0, {"type": "response.output_text.delta", "delta": "", "logprobs": self.pending,
+                              **self.where})
         return self.rest(events)
 
     def _numbered(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Row, func, literal, or_, select, true, tuple_, update
+from sqlalchemy import Connection, Engine, Row, func, literal, or_, select, tuple_, update
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import IntegrityError
 
@@ -125,7 +125,7 @@ class TraceStore:
             if owner is not None:
                 values["owner"] = owner
             stmt = self._insert(Run).values(name=run, created_at=utcnow(), **values)
-            mine = or_(Run.owner.is_(None), Run.owner == owner) if owner is not None else true()
+            mine = or_(Run.owner.is_(None), Run.owner == owner) if owner is not None else None
             conn.execute(stmt.on_conflict_do_update(index_elements=[Run.name], set_=values, where=mine))
             if owner is not None:
                 holder = conn.scalar(select(Run.owner).where(Run.name == run))
