@@ -45,6 +45,8 @@ PROXY_CONTAINER = "proxy"
 VERIFIER_CONTAINER = "verifier"
 WORKSPACE_DIR = "/workspace"
 """Where the harness leaves its work for the verifier (an emptyDir both mount; ``HARNESSRL_WORKSPACE``)."""
+VERIFIER_TMP = "verifier-tmp"
+"""The verifier's own /tmp volume: nothing the harness wrote outside the workspace reaches the verifier."""
 TASK_DIR = "/etc/harnessrl"
 TASK_FILE = f"{TASK_DIR}/task.json"
 SPOOL_DIR = "/var/spool/harnessrl"
@@ -228,7 +230,9 @@ def verifier_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
     if resources:
         container["resources"] = resources
     container["securityContext"] = sandbox_security(run)
-    container["volumeMounts"] = _mounts(verifier=True)
+    # A /tmp of its own: HOME is /tmp, and a user site-packages, a .pth file or a tool's config the harness left
+    # in its /tmp would run in the process that holds the reward token. The workspace alone is shared.
+    container["volumeMounts"] = _mounts(workspace=True, tmp=VERIFIER_TMP)
     return container
 
 
@@ -241,12 +245,12 @@ def sandbox_security(run: TrainingRun) -> dict[str, Any]:
     return security
 
 
-def _mounts(verifier: bool) -> list[dict[str, Any]]:
+def _mounts(workspace: bool, tmp: str = "tmp") -> list[dict[str, Any]]:
     mounts = [
         {"name": "task", "mountPath": TASK_DIR, "readOnly": True},
-        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": tmp, "mountPath": "/tmp"},
     ]
-    return mounts + ([{"name": "workspace", "mountPath": WORKSPACE_DIR}] if verifier else [])
+    return mounts + ([{"name": "workspace", "mountPath": WORKSPACE_DIR}] if workspace else [])
 
 
 def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
@@ -267,7 +271,7 @@ def harness_container(run: TrainingRun, launch: Launch) -> dict[str, Any]:
     if resources:
         container["resources"] = resources
     container["securityContext"] = sandbox_security(run)
-    container["volumeMounts"] = _mounts(verifier=harness.verifier is not None)
+    container["volumeMounts"] = _mounts(workspace=harness.verifier is not None)
     return container
 
 
@@ -340,7 +344,7 @@ def render_harness_pod(
         # verifier, the main container, scores what it left in the workspace.
         pod_spec["initContainers"].append(pod_spec["containers"].pop())
         pod_spec["containers"] = [verifier_container(run, launch)]
-        pod_spec["volumes"].append({"name": "workspace", "emptyDir": {}})
+        pod_spec["volumes"] += [{"name": "workspace", "emptyDir": {}}, {"name": VERIFIER_TMP, "emptyDir": {}}]
     runtime_class = run.spec.harness.sandbox.runtime_class_name
     if runtime_class:
         pod_spec["runtimeClassName"] = runtime_class

@@ -267,6 +267,10 @@ def test_with_a_verifier_only_the_verifier_and_the_proxy_hold_the_reward_token()
     for name in ("harness", "verifier"):
         assert {"name": "workspace", "mountPath": "/workspace"} in container(spec, name)["volumeMounts"]
     assert {"name": "workspace", "emptyDir": {}} in spec["volumes"]
+    # the workspace is all they share: the verifier's /tmp (its HOME) is not the one the harness wrote in
+    assert {"name": "tmp", "mountPath": "/tmp"} in container(spec, "harness")["volumeMounts"]
+    assert {"name": "verifier-tmp", "mountPath": "/tmp"} in container(spec, "verifier")["volumeMounts"]
+    assert {"name": "verifier-tmp", "emptyDir": {}} in spec["volumes"]
     assert container(spec, "verifier")["image"] == "ghcr.io/acme/test-runner:1"
     assert "shareProcessNamespace" not in spec  # the harness cannot read the other containers' environment
     # without a verifier the harness reports its own reward and no token exists

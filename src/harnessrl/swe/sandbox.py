@@ -15,6 +15,16 @@ it maps one uid, which as root makes the sandbox's user root outside (owner of r
 never applies ``RLIMIT_NPROC`` to root; a uid of its own makes that limit count the sandbox's processes only.
 Run by another user, bwrap makes an unprivileged user namespace and keeps that user's uid; the process limit
 then counts all of that user's processes, so it is raised by their number at start.
+
+Inside a harness pod on a cluster (``HARNESSRL_SANDBOX=pod``, which the example images set), the pod is the
+sandbox: the operator runs it non-root with no capabilities, the RuntimeDefault seccomp profile, resource
+limits, an activeDeadlineSeconds and a NetworkPolicy that lets it reach only its proxy, and bubblewrap cannot
+make namespaces there without privileges. A command then runs as a plain child process of the pod's own
+container, in its own session, with a cleared environment (no user site-packages) and the same time limit
+(its whole process group is killed) and resource limits, except the process limit: ``RLIMIT_NPROC`` counts a
+uid's processes node-wide, and every pod runs as the same uid, so the pod's own PID limit (the kubelet's
+``podPidsLimit``) stands in. Nothing runs on a host in this mode, since the variable is only set in an image;
+a command that leaves its session outlives its time limit but not the pod's container.
 """
 
 from __future__ import annotations
@@ -29,10 +39,14 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
+
+MODE_ENV = "HARNESSRL_SANDBOX"
+POD_MODE = "pod"
+"""``HARNESSRL_SANDBOX=pod``: already inside a sandboxed pod, so commands run as plain child processes."""
 
 SANDBOX_UID_BASE = 2_000_000
 """Root's sandboxes run as SANDBOX_UID_BASE + a hash of their writable directory (below 3,000,000)."""
@@ -105,6 +119,8 @@ def run_sandboxed(
     """Run ``command`` in a fresh sandbox and return its exit, its output (stdout and stderr together) and
     whether the time limit killed it. ``writable`` directories are bound read-write at their own paths
     (root's sandbox user becomes their owner), ``readable`` maps host paths to read-only places inside."""
+    if in_pod():
+        return _run_in_pod(command, chdir or (Path(writable[0]) if writable else Path("/tmp")), env, limits)
     writable = [Path(p).resolve() for p in writable]
     binds = [("--ro-bind", prefix, str(prefix)) for prefix in python_prefixes()]
     binds += [("--ro-bind", Path(source).resolve(), target) for source, target in (readable or {}).items()]
@@ -137,6 +153,43 @@ def run_sandboxed(
     for name, value in {**sandbox_env(), **(env or {})}.items():
         argv += ["--setenv", name, value]
     return _run([*argv, "--", *command], limits, uid)
+
+
+def in_pod() -> bool:
+    """Whether this process is already in a sandboxed pod (``HARNESSRL_SANDBOX=pod``); any other value is an
+    error, so a misspelt mode never falls back to a weaker sandbox silently."""
+    mode = os.environ.get(MODE_ENV, "")
+    if mode not in ("", POD_MODE):
+        raise SandboxUnavailable(f"{MODE_ENV}={mode!r}: set it to {POD_MODE!r} inside a sandboxed pod, or unset it")
+    return mode == POD_MODE
+
+
+def _run_in_pod(command: Sequence[str], chdir: Path, env: Mapping[str, str] | None,
+                limits: SandboxLimits) -> SandboxResult:
+    """The pod is the sandbox: the command as a child in a session of its own, cleared environment, rlimits and
+    the time limit (its process group killed); ``readable`` needs no binding, the files are where they are."""
+    environment = {**sandbox_env(), "PYTHONNOUSERSITE": "1", **(env or {})}
+    started = time.monotonic()
+    process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, cwd=chdir, env=environment, start_new_session=True,
+                               preexec_fn=_limiter(limits, None))  # noqa: PLW1509
+    timed_out = False
+    try:
+        output, _ = process.communicate(timeout=limits.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process that left the group still holds the output pipe
+            process.kill()
+            process.wait()
+            output = b""
+    return SandboxResult(process.returncode, output.decode("utf-8", "replace"), timed_out,
+                         time.monotonic() - started)
 
 
 def sandbox_env() -> dict[str, str]:
@@ -198,17 +251,25 @@ def _kill_sandbox(process: subprocess.Popen[bytes], info: IO[bytes]) -> None:
         pass
 
 
-def _run(argv: list[str], limits: SandboxLimits, uid: int | None) -> SandboxResult:
-    # The process limit counts every process of the real uid: a sandbox user of its own starts from none.
-    nproc = limits.max_processes + (0 if uid is not None else _process_count(os.getuid()))
+def _limiter(limits: SandboxLimits, nproc: int | None) -> Callable[[], None]:
+    """The child's resource limits, set between fork and exec (``nproc`` None: no process limit)."""
     cpu = max(1, int(limits.timeout_s) + 1)
 
-    def preexec() -> None:  # inherited by bwrap and everything in the sandbox
-        resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+    def preexec() -> None:
+        if nproc is not None:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
         resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    return preexec
+
+
+def _run(argv: list[str], limits: SandboxLimits, uid: int | None) -> SandboxResult:
+    # The process limit counts every process of the real uid: a sandbox user of its own starts from none.
+    nproc = limits.max_processes + (0 if uid is not None else _process_count(os.getuid()))
+    preexec = _limiter(limits, nproc)  # inherited by bwrap and everything in the sandbox
 
     # bwrap reports its child, the sandbox's PID 1, on --info-fd: killing that one ends the PID namespace (the
     # kernel kills every process in it) and lets bwrap reap it and exit, so nothing is left, not even a zombie.

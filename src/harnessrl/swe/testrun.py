@@ -7,12 +7,13 @@ node ids of parametrized tests hold spaces and dashes, which the summary lines d
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from harnessrl.swe.repository import Layout
-from harnessrl.swe.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from harnessrl.swe.sandbox import SandboxLimits, SandboxResult, in_pod, run_sandboxed
 
 PLUGIN_DIR = "/opt/harnessrl-pytest"
 """Where the outcomes plugin is mounted (read-only, alone) inside the sandbox."""
@@ -49,11 +50,16 @@ def run_suite(root: Path, layout: Layout, *, limits: SandboxLimits = TEST_LIMITS
     plugin = Path(__file__).with_name("pytest_outcomes.py")
     with tempfile.TemporaryDirectory(prefix="harnessrl-outcomes-") as out:
         report = Path(out) / "outcomes.json"
-        env = {"PYTHONPATH": f"{(root / layout.python_path).resolve()}:{PLUGIN_DIR}",
+        plugin_dir, readable = PLUGIN_DIR, {plugin: f"{PLUGIN_DIR}/{plugin.name}"}
+        if in_pod():  # nothing to bind in a pod: the plugin, alone, is copied beside the report instead
+            plugin_dir, readable = f"{out}/plugin", {}
+            Path(plugin_dir).mkdir()
+            shutil.copyfile(plugin, Path(plugin_dir) / plugin.name)
+        env = {"PYTHONPATH": f"{(root / layout.python_path).resolve()}:{plugin_dir}",
                "HARNESSRL_OUTCOMES": str(report)}
         command = ["python", "-m", "pytest", "-p", "pytest_outcomes", "-p", "no:cacheprovider", "-q",
                    "--tb=no", "--no-header", "-rN", "--rootdir", str(root), *layout.test_paths]
         result = run_sandboxed(command, writable=[root, Path(out)], chdir=root, env=env, limits=limits,
-                               readable={plugin: f"{PLUGIN_DIR}/{plugin.name}"})
+                               readable=readable)
         data = json.loads(report.read_text()) if report.is_file() else {"outcomes": {}, "messages": {}}
     return SuiteRun(data["outcomes"], data["messages"], result)
