@@ -35,7 +35,7 @@ from sqlalchemy import Connection, Engine, bindparam, exists, func, insert, sele
 from sqlalchemy.orm import aliased
 from sqlalchemy.exc import IntegrityError
 
-from harnessrl.store import attempt_budget, run_counters
+from harnessrl.store import attempt_budget, consumed_totals, run_counters
 from harnessrl.store.engine import WRITE_OPTION
 from harnessrl.store.records import RolloutState, utcnow
 from harnessrl.store.schema import TRAIN, LearnerLogprobs, LearnerStep, PolicyVersion, Rollout, RolloutAttempt, Run
@@ -297,6 +297,7 @@ class LearnerLedger:
                         "not exist in this run or were consumed by another step; nothing was recorded"
                     )
                 run_counters.add_consumed(conn, self.run, states)
+                consumed_totals.record(conn, self.run, step)
                 if rows is not None:
                     rows.write(conn, self.run, step, set(pairs))
         except IntegrityError:

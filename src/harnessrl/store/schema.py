@@ -50,6 +50,10 @@ STATE_VALUES = ", ".join(f"'{s.value}'" for s in RolloutState)
 TRAIN, EVALUATION = "train", "evaluation"  # rollouts.kind
 KIND_VALUES = f"'{TRAIN}', '{EVALUATION}'"
 OPEN_ATTEMPTS = "consumed_by_step IS NULL"  # the partial index ix_rollout_attempts_open
+# What the trace explorer's failures page lists (the partial index ix_rollout_attempts_failing): an attempt that
+# failed or timed out, or succeeded with a reward of 0 or none. Queries name this same text, so both databases
+# see that the index covers them.
+FAILING_ATTEMPTS = "state IN ('failed', 'timed_out') OR (state = 'succeeded' AND (reward = 0 OR reward IS NULL))"
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -171,6 +175,9 @@ class RolloutAttempt(Base):
         Index(None, "run", "consumed_by_step"),
         Index(None, "run", "train_rows"),
         Index(None, "run", "reason"),
+        # The failures page's latest failing attempts: a walk of what it shows, however rare failures are.
+        Index("ix_rollout_attempts_failing", "run", "created_at", postgresql_where=text(FAILING_ATTEMPTS),
+              sqlite_where=text(FAILING_ATTEMPTS)),
     )
 
     rollout_id: Mapped[str] = mapped_column(ID, ForeignKey("rollouts.rollout_id"), primary_key=True)
@@ -233,6 +240,34 @@ class RunCounter(Base):
     run: Mapped[str] = mapped_column(ID, ForeignKey("runs.name"), primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[int] = mapped_column(BigInteger)
+
+
+class ConsumedTotals(Base):
+    """What a learner step consumed, totalled per rollout kind and starting policy version (NULL counted as 0,
+    as ``harnessrl status`` shows it), written in the step's own transaction (``LearnerLedger``): consumed
+    attempts are final, so the run overview and the failures page add these rows and count only the open
+    attempts (``ix_rollout_attempts_open``) instead of every attempt the run made.
+
+    ``rewarded``: succeeded attempts with a reward, whose rewards ``reward_sum`` and ``reward_squares`` add up
+    (NULL when none); ``failing``: attempts ``FAILING_ATTEMPTS`` selects; ``ended``: terminal attempts with a
+    ``finished_at``, the first and last of which are ``first_finished`` and ``last_finished``.
+    """
+
+    __tablename__ = "consumed_totals"
+    __table_args__ = (ForeignKeyConstraint(["run", "step"], ["learner_steps.run", "learner_steps.step"]),)
+
+    run: Mapped[str] = mapped_column(ID, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempts: Mapped[int] = mapped_column(Integer)
+    rewarded: Mapped[int] = mapped_column(Integer)
+    reward_sum: Mapped[float | None] = mapped_column(Float)
+    reward_squares: Mapped[float | None] = mapped_column(Float)
+    failing: Mapped[int] = mapped_column(Integer)
+    ended: Mapped[int] = mapped_column(Integer)
+    first_finished: Mapped[datetime | None] = mapped_column(UTCDateTime())
+    last_finished: Mapped[datetime | None] = mapped_column(UTCDateTime())
 
 
 class LlmCall(Base):

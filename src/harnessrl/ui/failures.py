@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, func, or_, select, tuple_
+from sqlalchemy import Engine, func, select, tuple_
 
-from harnessrl.store import TraceStore
+from harnessrl.store import TraceStore, consumed_totals
 from harnessrl.store.schema import LlmCall, RolloutAttempt
 
 SCAN_LIMIT = 200  # the latest failures grouped
@@ -116,15 +116,12 @@ def _final_shape(response: dict[str, Any] | None, finish: str | None, status: st
 
 def failure_groups(engine: Engine, run: str) -> dict[str, Any]:
     store = TraceStore(engine)
-    failing = or_(RolloutAttempt.state.in_(["failed", "timed_out"]),
-                  (RolloutAttempt.state == "succeeded") & or_(RolloutAttempt.reward == 0,
-                                                              RolloutAttempt.reward.is_(None)))
     with engine.connect() as conn:
-        total = conn.scalar(select(func.count()).where(RolloutAttempt.run == run, failing)) or 0
-        attempts = conn.execute(
+        total = consumed_totals.failing(conn, run)
+        attempts = conn.execute(  # a walk of ix_rollout_attempts_failing: its condition is consumed_totals.FAILING
             select(RolloutAttempt.rollout_id, RolloutAttempt.attempt, RolloutAttempt.state, RolloutAttempt.reason,
                    RolloutAttempt.reward, RolloutAttempt.policy_version_start)
-            .where(RolloutAttempt.run == run, failing)
+            .where(RolloutAttempt.run == run, consumed_totals.FAILING)
             .order_by(RolloutAttempt.created_at.desc()).limit(SCAN_LIMIT)).all()
     last_calls = _last_calls(engine, attempts)
     groups: dict[tuple[str, str, str, str], FailureGroup] = {}
