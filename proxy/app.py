@@ -382,8 +382,8 @@ class CaptureProxy:
         if x.chat_messages is not None and status is CallStatus.OK:  # continued later like the chat call it was
             reply = wire(x.route).chat_reply(response)
             chat = None if reply is None else (x.chat_messages, reply)
-        self.ledger.remember(who.key, record, x.rendered, chat)
         item = CallItem(record, size=len(x.payload))
+        self.ledger.remember(who.key, record, x.rendered, chat, item.packed)
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
         self.metrics.calls.labels(x.route, status.value).inc()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import struct
+import sys
 import uuid
 from array import array
 from collections import OrderedDict
@@ -80,22 +81,28 @@ class LastCall:
         record: CallRecord,
         rendered_prompt: list[int] | None = None,
         chat: tuple[list[Any], dict[str, Any]] | None = None,
+        packed: tuple[bytes, bytes] | None = None,
     ) -> LastCall:
         """``chat``: for a call on another route that was served as a chat completion (Messages, Responses),
-        the chat messages and reply it amounts to, so a later call can continue it like a chat call."""
+        the chat messages and reply it amounts to, so a later call can continue it like a chat call.
+        ``packed``: the record's prompt and completion ids as the store packs them (``CallItem.packed``),
+        taken as they are instead of packed a second time."""
         if chat is not None:
             messages, reply = chat
         else:
             messages = record.request.get("messages") if record.route == "chat" else None
             reply = reply_message(record.response) if record.route == "chat" else None
-        prompt = _int32(record.prompt_token_ids)
+        if packed is None:
+            prompt, completion = _int32(record.prompt_token_ids), _int32(record.completion_token_ids)
+        else:
+            prompt, completion = _unpacked(packed[0]), _unpacked(packed[1])
         return cls(
             record.call_id,
             record.seq,
             record.route,
             record.status,  # type: ignore[arg-type]
             prompt,
-            _int32(record.completion_token_ids),
+            completion,
             prompt if rendered_prompt is None else _int32(rendered_prompt),
             messages if isinstance(messages, list) else None,
             reply,
@@ -129,6 +136,15 @@ def _int32(ids: list[int]) -> array:
         out.frombytes(struct.pack(f"={len(ids)}i", *ids))
     except (struct.error, TypeError):  # not int32 token ids (never from vLLM): keep them out of continuity
         pass
+    return out
+
+
+def _unpacked(packed: bytes) -> array:
+    """int32 little-endian bytes (``codec.pack_ids``) as ``array("i")``: a copy, no per-token work."""
+    out = array("i")
+    out.frombytes(packed)
+    if sys.byteorder != "little":
+        out.byteswap()
     return out
 
 
@@ -175,12 +191,14 @@ class RolloutLedger:
         record: CallRecord,
         rendered_prompt: list[int] | None = None,
         chat: tuple[list[Any], dict[str, Any]] | None = None,
+        packed: tuple[bytes, bytes] | None = None,
     ) -> None:
         """Add ``record`` to the attempt's recent calls (``rendered_prompt``: when its prompt is not the chat
         template's rendering, i.e. it was sent with token continuity). The calls it extends (their messages
         + reply begin its messages; for calls without messages, any such call) are superseded and dropped.
-        ``chat``: the chat messages and reply of a call served as a chat completion on another route."""
-        last = LastCall.of(record, rendered_prompt, chat)
+        ``chat``: the chat messages and reply of a call served as a chat completion on another route;
+        ``packed``: as for ``LastCall.of``."""
+        last = LastCall.of(record, rendered_prompt, chat, packed)
         kept = []
         for call in self._recent.pop(key, ()):
             if last.supersedes(call):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields, replace
 from datetime import datetime
 from typing import Any, Protocol
 
+from harnessrl.store import codec
 from harnessrl.store.call_rows import PreparedCall, prepare_call
 from harnessrl.store.records import CallRecord, CallStatus, RolloutState
 
@@ -87,20 +88,30 @@ class CallItem:
 
     call: CallRecord | PreparedCall
     size: int = 0  # the request's bytes as received, if known; the token estimate is added (``item_bytes``)
+    # The record's prompt and completion ids as the store packs them (``codec.pack_ids``), packed once for the
+    # store and the proxy's ledger (``LastCall.of``); None when prepared already or not token ids (the store
+    # then says what is wrong with them).
+    packed: tuple[bytes, bytes] | None = None
 
     def __post_init__(self) -> None:
         record = self.record
         tokens = len(record.prompt_token_ids) + len(record.completion_token_ids)
         self.size += ITEM_OVERHEAD_BYTES + BYTES_PER_TOKEN * tokens
+        if self.packed is None and not isinstance(self.call, PreparedCall):
+            try:
+                self.packed = (codec.pack_ids(record.prompt_token_ids), codec.pack_ids(record.completion_token_ids))
+            except (ValueError, TypeError):
+                pass
 
     def prepare(self) -> None:
         call = self.call
         if isinstance(call, PreparedCall):
             return
         try:
-            self.call = prepare_call(call)
+            self.call = prepare_call(call, self.packed)
         except ValueError:
             pass  # the writer hands it over as it is: the store refuses it with the reason (kept in .rejected)
+        self.packed = None  # the prepared call holds the same bytes
 
     def strict(self) -> CallItem | None:
         """This call with what strict JSON cannot hold written as text (``strict_json.py``), or None when its

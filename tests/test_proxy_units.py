@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.proxy.capture import Attribution, RolloutLedger, build_call_record
+from harnessrl.proxy.capture import Attribution, LastCall, RolloutLedger, build_call_record
 from harnessrl.proxy.config import ConfigError, load_config
 from harnessrl.proxy.continuity import choose_parent
 from harnessrl.proxy.metrics import ProxyMetrics
@@ -42,7 +42,7 @@ from harnessrl.proxy.writer import (
     record_from_json,
     record_to_json,
 )
-from harnessrl.store import CallStatus, NotFound, RolloutState, TraceStore
+from harnessrl.store import CallStatus, NotFound, PreparedCall, RolloutState, TraceStore, prepare_call
 
 pytest.register_assert_rewrite("proxy_servers")
 from proxy_servers import metric_value
@@ -271,6 +271,27 @@ def test_ledger_numbers_calls_and_bounds_last_calls_by_tokens():
     ledger.forget(a)
     assert ledger.last_call(a) is None and ledger.held_tokens == 0
     assert ledger.next_seq(a) == 3  # the counter survives: late calls never reuse a number
+
+
+def test_a_call_packed_once_is_remembered_and_prepared_as_packed_apart():
+    """The proxy packs a call's token ids once, for its ledger and the store (``CallItem.packed``): what either
+    keeps equals packing them on its own, and ids that are no int32 still reach the store unpacked, so it
+    refuses them naming the field."""
+    call = record(4, prompt=[0, 7, 2**31 - 1, -(2**31)], completion=[151643, 3])
+    item = CallItem(call)
+    assert item.packed is not None
+    assert LastCall.of(call, packed=item.packed) == LastCall.of(call)
+    item.prepare()
+    alone = prepare_call(call)
+    assert item.packed is None and isinstance(item.call, PreparedCall)
+    assert (item.call.prompt_bytes, item.call.completion_bytes, item.call.anchor) == (
+        alone.prompt_bytes, alone.completion_bytes, alone.anchor)  # fmt: skip
+    bad = CallItem(record(5, prompt=[1, 2**31]))
+    assert bad.packed is None
+    bad.prepare()
+    assert bad.call is not None and not isinstance(bad.call, PreparedCall)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        prepare_call(bad.record)
 
 
 def chat_record(seq: int, messages: list[dict], reply: str, rollout: str = "r"):

@@ -160,8 +160,11 @@ class PreparedCall:
         }
 
 
-def prepare_call(record: CallRecord) -> PreparedCall:
-    """Validate one record (ValueError naming the field) and pack its predecessor-independent parts."""
+def prepare_call(record: CallRecord, packed: tuple[bytes, bytes] | None = None) -> PreparedCall:
+    """Validate one record (ValueError naming the field) and pack its predecessor-independent parts.
+
+    ``packed``: the record's prompt and completion ids as ``codec.pack_ids`` packs them, when the caller has
+    them already (the proxy packs them once for its own ledger too)."""
     check_id(record.call_id, "call_id")
     check_id(record.run, "run")
     check_id(record.rollout_id, "rollout_id")
@@ -195,8 +198,11 @@ def prepare_call(record: CallRecord) -> PreparedCall:
         raise ValueError(f"upstream must be a string, got {record.upstream!r}")
     if not isinstance(record.created_at, datetime):
         raise ValueError(f"created_at must be a datetime, got {record.created_at!r}")
-    prompt_bytes = codec.pack_ids(record.prompt_token_ids, "prompt_token_ids")
-    completion_bytes = codec.pack_ids(record.completion_token_ids, "completion_token_ids")
+    if packed is None:
+        prompt_bytes = codec.pack_ids(record.prompt_token_ids, "prompt_token_ids")
+        completion_bytes = codec.pack_ids(record.completion_token_ids, "completion_token_ids")
+    else:
+        prompt_bytes, completion_bytes = packed
     logprob_bytes, f64 = codec.pack_logprobs(record.logprobs)
     allowed_bytes = pack_allowed(record.allowed_token_ids, len(record.completion_token_ids))
     response, stripped = codec.strip_response(
