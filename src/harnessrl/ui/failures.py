@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine, func, select, tuple_
+from sqlalchemy import Engine, and_, func, select
 
 from harnessrl.store import TraceStore, consumed_totals
 from harnessrl.store.schema import LlmCall, RolloutAttempt
@@ -66,23 +66,23 @@ def _last_tool_error(messages: list[Any]) -> str | None:
 
 
 def _last_calls(engine: Engine, attempts: list[Any]) -> dict[tuple[str, int], Any]:
-    """The last call of each attempt as stored (one grouped query, then one by key: the (rollout, attempt,
-    seq) index answers both)."""
+    """The last call of each attempt as stored, in one query: the attempts' highest seq (grouped over the
+    (rollout, attempt, seq) index), joined back to that index. A list of (rollout, attempt, seq) keys instead
+    made SQLite scan every call of the store (3.7 s at 1,000,000 calls)."""
     if not attempts:
         return {}
     ids = sorted({a.rollout_id for a in attempts})
     wanted = {(a.rollout_id, a.attempt) for a in attempts}
+    last = (select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq).label("seq"))
+            .where(LlmCall.rollout_id.in_(ids)).group_by(LlmCall.rollout_id, LlmCall.attempt).subquery())
+    query = (select(LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.status, LlmCall.http_status,
+                    LlmCall.finish_reason, LlmCall.request, LlmCall.request_reused, LlmCall.response,
+                    LlmCall.response_stripped)
+             .join(last, and_(last.c.rollout_id == LlmCall.rollout_id, last.c.attempt == LlmCall.attempt,
+                              last.c.seq == LlmCall.seq)))
     with engine.connect() as conn:
-        tops = conn.execute(select(LlmCall.rollout_id, LlmCall.attempt, func.max(LlmCall.seq))
-                            .where(LlmCall.rollout_id.in_(ids)).group_by(LlmCall.rollout_id, LlmCall.attempt)).all()
-        keys = [(r, a, seq) for r, a, seq in tops if (r, a) in wanted]
-        if not keys:
-            return {}
-        rows = conn.execute(select(LlmCall.call_id, LlmCall.rollout_id, LlmCall.attempt, LlmCall.status,
-                                   LlmCall.http_status, LlmCall.finish_reason, LlmCall.request,
-                                   LlmCall.request_reused, LlmCall.response, LlmCall.response_stripped)
-                            .where(tuple_(LlmCall.rollout_id, LlmCall.attempt, LlmCall.seq).in_(keys))).all()
-    return {(r.rollout_id, r.attempt): r for r in rows}
+        rows = conn.execute(query).all()
+    return {(r.rollout_id, r.attempt): r for r in rows if (r.rollout_id, r.attempt) in wanted}
 
 
 def _call_signature(store: TraceStore, row: Any) -> tuple[str, str, str, str]:
