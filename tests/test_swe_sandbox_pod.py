@@ -63,3 +63,25 @@ def test_the_verifier_in_pod_mode_scores_the_fix_1_and_the_bug_0(pod_mode, tmp_p
     prepare_workspace(task, EXAMPLE, buggy)
     verdict = verify(task, buggy)
     assert verdict.reward == 0.0 and "tests_not_run" not in verdict.info, verdict.info
+
+
+def test_unpacking_without_the_standard_librarys_filter(tmp_path, monkeypatch) -> None:
+    """Before Python 3.11.4 (Debian bookworm's 3.11.2, the dev cluster's image base) tarfile has no "data"
+    filter: a real sdist still unpacks, and an archive with a member outside its folder or a link is refused."""
+    import io
+    import tarfile
+
+    from harnessrl.swe.repository import RepositoryError, unpack
+
+    monkeypatch.delattr(tarfile, "data_filter")
+    top = unpack(EXAMPLE / "repos" / "inflection-0.5.1.tar.gz", tmp_path / "ok")
+    assert (top / "inflection" / "__init__.py").is_file()
+    for name, kind in (("../escaped.py", tarfile.REGTYPE), ("pkg/link", tarfile.SYMTYPE)):
+        archive = tmp_path / "bad.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            member = tarfile.TarInfo(name)
+            member.type, member.linkname = kind, "/etc/passwd"
+            tar.addfile(member, io.BytesIO(b""))
+        with pytest.raises(RepositoryError, match="not a plain file or folder"):
+            unpack(archive, tmp_path / "bad")
+        assert not (tmp_path / "escaped.py").exists() and not (tmp_path / "bad" / "pkg" / "link").exists()

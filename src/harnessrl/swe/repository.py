@@ -15,7 +15,7 @@ import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 TEST_DIRS = ("tests", "testing", "test")
 PYTEST_CONFIG_FILES = ("pyproject.toml", "setup.cfg", "tox.ini", "pytest.ini")
@@ -78,11 +78,28 @@ def unpack(sdist: Path, into: Path) -> Path:
     """Unpack a source distribution into ``into``; returns its single top folder."""
     into.mkdir(parents=True, exist_ok=True)
     with tarfile.open(sdist) as archive:
-        archive.extractall(into, filter="data")
+        if hasattr(tarfile, "data_filter"):  # Python 3.11.4 and later: the standard library's refusals
+            archive.extractall(into, filter="data")
+        else:
+            archive.extractall(into, members=_plain_members(archive, sdist))
     tops = [p for p in into.iterdir() if p.is_dir()]
     if len(tops) != 1:
         raise RepositoryError(f"{sdist.name}: expected one top folder in the archive, found {len(tops)}")
     return tops[0]
+
+
+def _plain_members(archive: tarfile.TarFile, sdist: Path) -> list[tarfile.TarInfo]:
+    """The "data" filter by hand for Pythons before 3.11.4 (Debian bookworm's 3.11.2, the base the dev cluster's
+    images are built on): plain files and folders inside the target only, no links or devices, no set-id
+    bits; anything else refuses the archive."""
+    members = archive.getmembers()
+    for member in members:
+        path = PurePosixPath(member.name)
+        if path.is_absolute() or ".." in path.parts or not (member.isfile() or member.isdir()):
+            raise RepositoryError(f"{sdist.name}: {member.name!r} is not a plain file or folder inside the "
+                                  "archive's top folder; a source distribution holds nothing else")
+        member.mode &= 0o777
+    return members
 
 
 def detect_layout(root: Path) -> Layout:
