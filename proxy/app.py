@@ -171,7 +171,7 @@ class Exchange:
     rendered: list[int] | None = None  # token continuity: the chat template's rendering of the messages
     chat_messages: list[Any] | None = None  # a call served as a chat completion: the chat messages it amounts to
     answer_as: Any = None  # such a call: its translation from the chat completion (the route's ``converter``)
-    live: served_stream.ServedStream | None = None  # such a call streamed while generated (``served_stream.py``)
+    live: served_stream.ServedStream | served_stream.ParsedStream | None = None  # such a call streamed while generated (``served_stream.py``)
 
 
 class CaptureProxy:
@@ -445,12 +445,19 @@ class CaptureProxy:
                         answer_as = None if chat_body is None else wire(route).converter(body)
                         if answer_as is not None:
                             convert = chat_served.then(convert, answer_as)
+                        parsed_live = chat_body is not None and streams and getattr(plan, "live", False)
+                        if parsed_live:  # tools, tool_choice auto: generated as a stream (ParsedStream)
+                            plan.request["stream"] = True
                         x = Exchange(
                             route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt, None if chat_body is None else chat_body["messages"], answer_as,
                         )  # fmt: skip
                         if chat_body is not None and streams and plan.stream:  # through /v1/completions
                             x.live = served_stream.ServedStream(plan.convert_chunk, answer_as,
+                                                                wire(route).live_events(body, answer_as))
+                            return await self._streamed(request, x)
+                        if parsed_live:
+                            x.live = served_stream.ParsedStream(plan, answer_as,
                                                                 wire(route).live_events(body, answer_as))
                             return await self._streamed(request, x)
                         if chat_body is not None and streams:  # the server's parsers read the whole answer
@@ -785,7 +792,9 @@ class CaptureProxy:
                     elif event.data is None:
                         out.append(raw if raw.endswith(b"\n\n") else raw + b"\n\n")
                     elif live is not None:
-                        out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.feed(event.data)]
+                        fed = live.feed(event.data)
+                        fed = await fed if inspect.isawaitable(fed) else fed  # ParsedStream: derendered
+                        out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in fed]
                     else:
                         for chunk in convert(event.data) if convert is not None else (event.data,):
                             assembler.feed(chunk)
@@ -794,6 +803,10 @@ class CaptureProxy:
                     await send(b"".join(out))
                 if not data:
                     break
+            if done and isinstance(live, served_stream.ParsedStream):  # the whole answer parsed as unstreamed
+                settled = await live.settle()
+                if settled:
+                    await send(b"".join(shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in settled))
             if assembler.error is not None:
                 status = CallStatus.ERROR
             if live is not None:  # the route's error event, or its closing events built before the record
@@ -834,7 +847,7 @@ class CaptureProxy:
             task.cancel()  # a harness gone, or the call cancelled: no read is left behind
 
     @staticmethod
-    def _closing(live: served_stream.ServedStream, shapes: Any, wants: ClientWants) -> bytes:
+    def _closing(live: served_stream.ServedStream | served_stream.ParsedStream, shapes: Any, wants: ClientWants) -> bytes:
         """The closing events of a stream relayed while generated (the whole answer translated, ``finish``)."""
         return b"".join(shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.finish())
 

@@ -289,6 +289,8 @@ class ServedPlan(Plan):
     chat_request: dict[str, Any] = field(default_factory=dict)
     derender: Any = None  # async (generate answer) -> chat completion
     replay: bool = False  # the harness asked for a stream: the whole answer is replayed as chunks
+    live: bool = False  # may be relayed while generated (``served_stream.ParsedStream``): tool_choice auto
+    derender_chunk: Any = None  # async (generate chunk, state) -> (text delta, log-probs, state)
     include_usage: bool = False  # ... ending with a usage chunk (``stream_options.include_usage``)
 
     def replay_sse(self, completion: dict[str, Any]) -> bytes:
@@ -442,6 +444,12 @@ class TokenContinuity:
             plan = self._request(body, prompt, f_ids, f[1], model, sampling)
         else:
             plan = self._served(body, chat, f, prompt, f_ids, max_model_len, key)
+        if isinstance(plan, ServedPlan):
+            # relayed while generated (``served_stream.ParsedStream``) only where the text streamed is the
+            # answer's own: no forced or refused tool call (their parsers rewrite the content), no reasoning
+            # parser, no stop string (the engine cuts the text there after the tokens were streamed)
+            plan.live = (chat.get("tool_choice") in (None, "auto") and not _reasoned(last.reply)
+                         and body.get("reasoning_effort") is None and not chat.get("stop"))
         plan.parent_call_id = last.call_id
         return plan
 
@@ -473,6 +481,7 @@ class TokenContinuity:
         options = body.get("stream_options")
         return ServedPlan(request, rendered_ids, top, False, path=GENERATE_PATH, chat_request=chat,
                           derender=lambda data: self._derender(data, chat, prompt, key),
+                          derender_chunk=lambda chunk, state: self._derender_chunk(chunk, state, chat, prompt, key),
                           replay=body.get("stream") is True,
                           include_usage=isinstance(options, dict) and options.get("include_usage") is True)
 
@@ -502,11 +511,7 @@ class TokenContinuity:
                                     for c in sources]}
         payload = {"generate_response": sent, "chat_request": chat, "prompt_token_ids": prompt,
                    "prompt_tokens": len(prompt)}
-        try:
-            answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
-            out = loads(answer.body) if answer.status == 200 else None
-        except (UpstreamUnavailable, ValueError):
-            out = None
+        out = await self._derendered(payload, key)
         if not isinstance(out, dict) or not isinstance(out.get("choices"), list):
             raise DerenderFailed(f"the upstream's {DERENDER_PATH} did not answer a chat completion")
         derendered = {c.get("index", 0): c for c in out["choices"] if isinstance(c, dict)}
@@ -534,6 +539,29 @@ class TokenContinuity:
                         "total_tokens": len(prompt) + completion}
         out["prompt_token_ids"] = prompt
         return out
+
+    async def _derendered(self, payload: dict[str, Any], key: str) -> Any:
+        """The derender endpoint's JSON answer, or None when it answered no 200 with JSON."""
+        try:
+            answer = await self.upstreams.fetch(DERENDER_PATH, dumps(payload), key)
+            return loads(answer.body) if answer.status == 200 else None
+        except (UpstreamUnavailable, ValueError):
+            return None
+
+    async def _derender_chunk(self, chunk: dict[str, Any], state: Any, chat: dict[str, Any], prompt: list[int],
+                              key: str) -> tuple[str, Any, Any]:
+        """One ``/inference/v1/generate`` stream chunk through the server's streaming derender (its detokenizer
+        and its tool parser's streaming path, state carried by the caller): the content the parser lets out as
+        text (it holds back whatever may still become a tool call, by its own markers), the chunk's log-probs,
+        and the state for the next chunk. ``DerenderFailed`` when the server answers none."""
+        payload = {"stream": True, "generate_chunk": chunk, "stream_state": state, "chat_request": chat,
+                   "prompt_token_ids": prompt, "prompt_tokens": len(prompt)}
+        out = await self._derendered(payload, key)
+        if not isinstance(out, dict) or not isinstance(out.get("chunk"), dict):
+            raise DerenderFailed(f"the upstream's streaming {DERENDER_PATH} did not answer a chunk")
+        choice = next(iter(out["chunk"].get("choices") or []), None) or {}
+        content = (choice.get("delta") or {}).get("content")
+        return content if isinstance(content, str) else "", choice.get("logprobs"), out.get("stream_state")
 
     def _request(
         self,

@@ -17,11 +17,16 @@ call (request, answer, token ids, log-probs) are what the same call unstreamed g
 (the upstream reading a long prompt) the route's keep-alive goes out every ``stream_keepalive_s``, as on the
 replay path.
 
+Calls with tools and ``tool_choice`` auto (Claude Code's and Codex's usual call) are relayed too, through
+``ParsedStream``: the generate endpoint streams tokens, the server's streaming derender lets out as text only
+what its tool parser does not hold back as a possible tool call, and the tool calls come from the whole
+answer parsed as unstreamed (measured on the tiny model, hermes: 22-59 text events before the tool call for a
+~60-token answer, where the replay sends 1 after the whole generation).
+
 What is still answered whole, then replayed (with keep-alives while generating):
 
-* calls with tools: the server's tool parser reads the whole answer (derender), and text streamed before it
-  would be wrong once the parser takes that text for a tool call, which it may do at any later token (the
-  hermes parser claims everything from ``<tool_call>`` on). ``tool_choice: none`` too: vLLM 0.32's
+* forced tool calls (``required``, a named tool: the parser reads a grammar-constrained answer whole, and a
+  named call's text is its arguments), and calls with a stop string. ``tool_choice: none`` too: vLLM 0.32's
   engine-based parsers still rewrite the content then (``parser/abstract_parser.py`` runs
   ``extract_tool_calls`` and keeps its content), and whether the prompt holds the tools depends on the
   server's ``--exclude-tools-when-tool-choice-none``, which only its render endpoint knows; the answer a
@@ -109,6 +114,129 @@ class ServedStream:
             chat.pop("error", None)
             self._answer = self.answer_as(chat)
         return self._answer if self.error is None else {**self._answer, "error": self.error.get("error", self.error)}
+
+    def tokens(self) -> Tokens:
+        return carried(self.response()) or Tokens()
+
+
+class ParsedStream:
+    """A streamed call with tools (``tool_choice`` auto) relayed while generated: the ``ServedStream`` interface
+    (``feed`` and ``settle`` awaited) over ``/inference/v1/generate``'s token stream.
+
+    Text: each generate chunk goes through the server's streaming derender (``ServedPlan.derender_chunk``), and
+    the content its tool parser lets out goes to the harness at once. The parser holds back, by its own
+    markers, whatever may still become a tool call (hermes: a suffix that may begin ``<tool_call>``, and all
+    from it on), so no marker is spelled here and a call's raw text never goes out as text. The stop token
+    that ends the answer is left out, as the unary derender leaves it out (``continuity.decoded_tokens``).
+
+    End: the whole generate answer, assembled from the chunks, is derendered exactly as the unary path does
+    (``ServedPlan.derender``), so the tool calls, the closing events and the stored call are the unstreamed
+    call's. The parsed content must begin with the text already sent; it does for hermes, whose streaming and
+    whole-answer parsers split the text alike. Where a parser's two paths disagree, the text sent cannot be
+    taken back (neither protocol lets a text block or part be rewritten), so the stream ends with the route's
+    error event and the call is stored as an error, never as an answer the harness did not get; the harness
+    retries it. Forced calls, ``tool_choice: none``, stop strings and reasoning stay on the replay
+    (``continuity.TokenContinuity._plan`` sets ``ServedPlan.live``).
+    """
+
+    def __init__(self, plan: Any, answer_as: Callable[[dict[str, Any]], dict[str, Any]], live: LiveEvents) -> None:
+        self.plan = plan  # continuity.ServedPlan, with ``live`` set
+        self.answer_as = answer_as
+        self.live = live
+        self.error: dict[str, Any] | None = None
+        self.started = False
+        self.sent = ""  # the text the harness got
+        self.head: dict[str, Any] = {}
+        self.choice: dict[str, Any] = {"index": 0, "token_ids": [], "logprobs": None, "finish_reason": None,
+                                       "stop_reason": None}
+        self.state: Any = None  # the streaming derender's state, carried between its calls
+        self._answer: dict[str, Any] | None = None
+
+    async def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        if "error" in chunk and not chunk.get("choices"):
+            self.error = dict(chunk)
+            return []
+        choices = [c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == 0]
+        events: list[dict[str, Any]] = []
+        if not self.started and choices:
+            self.started = True
+            self.head = {k: chunk[k] for k in ("request_id", "prompt_token_ids") if chunk.get(k) is not None}
+            events += self.live.start({"id": f"chatcmpl-{chunk.get('request_id', '')}"},
+                                      len(self.plan.request.get("token_ids") or ()))
+        for choice in choices:
+            ids = list(choice.get("token_ids") or [])
+            entries = list((choice.get("logprobs") or {}).get("content") or [])
+            self.choice["token_ids"] += ids
+            if choice.get("logprobs") is not None:
+                self.choice["logprobs"] = {"content": [*(self.choice["logprobs"] or {}).get("content", []), *entries]}
+            for name in ("finish_reason", "stop_reason"):
+                if choice.get(name) is not None:
+                    self.choice[name] = choice[name]
+            if choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str) and ids:
+                ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
+            if not ids:
+                continue
+            part = {**choice, "token_ids": ids, "finish_reason": None, "stop_reason": None,
+                    "logprobs": {"content": entries} if choice.get("logprobs") is not None else None}
+            text, logprobs, self.state = await self.plan.derender_chunk({**chunk, "choices": [part]}, self.state)
+            if text:
+                self.sent += text
+                events += self.live.text(text, logprobs)
+        return events
+
+    def beat(self) -> bytes:
+        return self.live.beat()
+
+    def whole(self) -> dict[str, Any]:
+        """The generate answer the chunks make up, as the unary call's."""
+        return {**self.head, "choices": [dict(self.choice)]}
+
+    async def settle(self) -> list[dict[str, Any]]:
+        """Once the upstream completed: the whole answer derendered as unstreamed; the events of the text the
+        parser still held back (no tool call came of it), or the error when the parsed text does not begin
+        with the text sent."""
+        from .continuity import DerenderFailed  # continuity imports this module's users
+
+        try:
+            chat = await self.plan.derender(self.whole())
+        except DerenderFailed as exc:
+            self.error = {"error": {"message": str(exc), "type": "upstream_error", "code": "derender_failed"}}
+            return []
+        message = ((chat.get("choices") or [{}])[0].get("message") or {})
+        content = message.get("content") if isinstance(message.get("content"), str) else ""
+        self._answer = self.answer_as(chat)
+        if not content.startswith(self.sent):
+            self.error = {"error": {
+                "message": "the server's tool parser split the whole answer otherwise than its stream: the text "
+                           "sent is not the answer's, so this answer is withdrawn; retry the call",
+                "type": "upstream_error", "code": "streamed_text_not_parsed"}}
+            return []
+        rest = content[len(self.sent):]
+        self.sent = content
+        return self.live.text(rest, None) if rest else []
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.live.end(without_carried(self.response()))
+
+    def response(self) -> dict[str, Any]:
+        """The derendered answer once settled; before (the harness left, the upstream failed) the text sent and
+        the tokens so far, unparsed."""
+        answer = self._answer
+        if answer is None:
+            from .continuity import _token_id_logprobs
+
+            prompt = list(self.plan.request.get("token_ids") or [])
+            ids = list(self.choice["token_ids"])
+            chat = {"id": f"chatcmpl-{self.head.get('request_id', '')}", "object": "chat.completion",
+                    "model": self.plan.chat_request.get("model"),
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": self.sent},
+                                 "logprobs": _token_id_logprobs(self.choice["logprobs"] or {}),
+                                 "finish_reason": self.choice["finish_reason"], "token_ids": ids}],
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
+                              "total_tokens": len(prompt) + len(ids)},
+                    "prompt_token_ids": prompt}
+            answer = self.answer_as(chat)
+        return answer if self.error is None else {**answer, "error": self.error.get("error", self.error)}
 
     def tokens(self) -> Tokens:
         return carried(self.response()) or Tokens()
