@@ -130,6 +130,26 @@ def test_each_image_runs_as_a_numeric_non_root_user(image: str) -> None:
     assert uid.isdigit() and int(uid) != 0, f"images/{image}: USER {final.user}: use a numeric non-root uid"
 
 
+@pytest.mark.parametrize("example", ["search", "swe"])
+def test_the_example_harness_images_hold_the_harness_and_what_its_tasks_name(example: str) -> None:
+    """Each cluster example's image runs its harness.py as the sandbox uid, and holds the files its tasks name
+    (relative to /app, where harness.py's --tasks-dir points): the corpus, the repositories' snapshots."""
+    from harnessrl.devcluster.images import IMAGES as BUILT
+    from harnessrl.devcluster.images import context_files
+
+    image = next(image for image in BUILT if image.name == f"harness-{example}")
+    stage = next(s for s in parse(ROOT / image.dockerfile)[1] if s.name == image.target)
+    assert stage.user == "65532:65532" and stage.entrypoint == ["python", "/app/harness.py"]
+    tasks = [json.loads(line)["data"] for line in (ROOT / "examples" / example / "tasks.jsonl").open()]
+    named = {task.get("corpus") or task.get("snapshot") for task in tasks}
+    context = {path.relative_to(ROOT).as_posix() for path in context_files(ROOT)}
+    copied = " ".join(stage.copies)
+    for relative in named:
+        source = f"examples/{example}/{relative}"
+        assert source in context, f"{source} is not in the build context (.dockerignore)"
+        assert source in copied or str(Path(source).parent) in copied.split(), f"{source} is not copied"
+
+
 def _subcommand(argv: list[str]) -> object:
     from harnessrl.cli import main
 

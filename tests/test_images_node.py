@@ -98,6 +98,8 @@ def test_each_image_starts_as_the_chart_and_the_operator_start_it(built: dict[st
         "proxy": ("65532:65532", ["harnessrl"]),
         "learner-cpu": ("65532:65532", ["harnessrl"]),
         "harness-vowels": ("65532:65532", ["python", "/app/harness.py"]),
+        "harness-search": ("65532:65532", ["python", "/app/harness.py"]),
+        "harness-swe": ("65532:65532", ["python", "/app/harness.py"]),
         "vllm-cpu": ("65532:65532", None),
         "postgres": ("", ["docker-entrypoint.sh"]),
     }

@@ -85,6 +85,8 @@ IMAGES: tuple[Image, ...] = (
     Image("operator", _own("operator"), "images/python/Dockerfile", "operator", _PYTHON),
     Image("proxy", _own("proxy"), "images/python/Dockerfile", "proxy", _PYTHON),
     Image("harness-vowels", _own("harness-vowels"), "images/harness/Dockerfile", None, _PYTHON),
+    Image("harness-search", _own("harness-search"), "images/python/Dockerfile", "harness-search", _PYTHON),
+    Image("harness-swe", _own("harness-swe"), "images/python/Dockerfile", "harness-swe", _PYTHON),
     # Debian's PostgreSQL 15 behind the chart's default reference (the official 17.6 image cannot be pulled).
     Image("postgres", _own("postgres"), "images/postgres/Dockerfile", None, {"BASE_IMAGE": BASE_REF},
           (_chart_postgres_image(),)),
