@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +65,20 @@ def test_config_map_tasks_need_a_cluster(tmp_path: Path, model: Path) -> None:
     proc = run(write_spec(tmp_path, model={"path": str(model)}, harness=harness))
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "configMap is only available on a cluster" in proc.stderr
+
+
+EVALUATION = {"tasks": {"file": {"path": "held-out.jsonl"}}, "everySteps": 2}
+
+
+def test_a_missing_evaluation_task_file_is_named(tmp_path: Path, model: Path) -> None:
+    shutil.copy(ROOT / "examples/vowels/tasks.jsonl", tmp_path / "tasks.jsonl")  # the training tasks exist
+    proc = run(write_spec(tmp_path, model={"path": str(model)}, evaluation=EVALUATION))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert f"spec.evaluation.tasks.file.path: cannot read {tmp_path / 'held-out.jsonl'}" in proc.stderr
+    assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_zero_samples_per_task_is_named(tmp_path: Path, model: Path) -> None:
+    proc = run(write_spec(tmp_path, model={"path": str(model)}, evaluation={**EVALUATION, "samplesPerTask": 0}))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "spec.evaluation.samplesPerTask" in proc.stderr and "at least 1" in proc.stderr
