@@ -581,6 +581,7 @@ class CaptureProxy:
         minutes on a GPU with long generations), and clients with stream idle timeouts gave up. An error
         answered before that goes back with its status as it came; one after it as the protocol's error event
         (``error_event``)."""
+        self.metrics.streams.labels(x.route, "replayed").inc()
         fetch = asyncio.ensure_future(self._unary(x))
         resp: web.StreamResponse | None = None
         heart = wire(x.route).heartbeat(x.body, x.answer_as)
@@ -703,6 +704,7 @@ class CaptureProxy:
 
     async def _streamed(self, request: web.Request, x: Exchange) -> web.StreamResponse:
         relaying = False  # from then on _relay records the call, however it ends
+        self.metrics.streams.labels(x.route, "relayed").inc()
         try:
             async with self.upstreams.stream(x.path, x.payload, x.who.rollout_id) as up:
                 upstream = up.response
@@ -783,6 +785,7 @@ class CaptureProxy:
                     error_event = sse_bytes(assembler.error)
                     break
                 out: list[bytes] = []  # everything that arrived in this read goes out in one write
+                parsed: list[dict[str, Any]] = []  # a ParsedStream's chunks of this read: derendered at once
                 for raw in events:
                     if not raw.strip():
                         continue
@@ -791,14 +794,16 @@ class CaptureProxy:
                         done = True
                     elif event.data is None:
                         out.append(raw if raw.endswith(b"\n\n") else raw + b"\n\n")
+                    elif isinstance(live, served_stream.ParsedStream):
+                        parsed.append(event.data)
                     elif live is not None:
-                        fed = live.feed(event.data)
-                        fed = await fed if inspect.isawaitable(fed) else fed  # ParsedStream: derendered
-                        out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in fed]
+                        out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.feed(event.data)]
                     else:
                         for chunk in convert(event.data) if convert is not None else (event.data,):
                             assembler.feed(chunk)
                             out.append(raw if raw_passthrough else shapes.sse_bytes(shapes.strip_unrequested(chunk, wants)))
+                if parsed:
+                    out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in await live.feed_all(parsed)]
                 if out:
                     await send(b"".join(out))
                 if not data:

@@ -92,6 +92,10 @@ class ProxyMetrics:
         self.batch_size = Histogram(
             PREFIX + "write_batch_size", "Calls per store write.", buckets=BATCH_BUCKETS, registry=r
         )
+        self.streams = Counter(
+            PREFIX + "streams", "Streamed calls by how the harness got them: relayed while generated, or "
+            "replayed once the answer was whole (first byte after the last token).", ["route", "mode"], registry=r
+        )
         self.spooled = Counter(
             PREFIX + "spooled_items", "Items written to the spool (store unavailable).", registry=r
         )

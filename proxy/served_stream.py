@@ -20,8 +20,12 @@ replay path.
 Calls with tools and ``tool_choice`` auto (Claude Code's and Codex's usual call) are relayed too, through
 ``ParsedStream``: the generate endpoint streams tokens, the server's streaming derender lets out as text only
 what its tool parser does not hold back as a possible tool call, and the tool calls come from the whole
-answer parsed as unstreamed (measured on the tiny model, hermes: 22-59 text events before the tool call for a
-~60-token answer, where the replay sends 1 after the whole generation).
+answer parsed as unstreamed. Measured with ``bench/stream_tools.py`` (tiny model, vLLM on the 2-core CPU,
+hermes, a ~1,200-token answer of text then a tool call): first text after 2.0 s against 4.0 s replayed (the
+replay's first byte is its last), the whole stream 4.6 s against 4.0 s. Each streaming derender call replays
+the parser over the answer so far (vLLM keeps no state between calls), 50-180 ms each on that CPU, so the
+tokens that arrive during one call go together in the next (``ParsedStream.feed_all``): a few text events per
+answer there, more where the server's CPU is free.
 
 What is still answered whole, then replayed (with keep-alives while generating):
 
@@ -121,7 +125,7 @@ class ServedStream:
 
 class ParsedStream:
     """A streamed call with tools (``tool_choice`` auto) relayed while generated: the ``ServedStream`` interface
-    (``feed`` and ``settle`` awaited) over ``/inference/v1/generate``'s token stream.
+    (``feed_all`` per read and ``settle`` awaited) over ``/inference/v1/generate``'s token stream.
 
     Text: each generate chunk goes through the server's streaming derender (``ServedPlan.derender_chunk``), and
     the content its tool parser lets out goes to the harness at once. The parser holds back, by its own
@@ -152,33 +156,45 @@ class ParsedStream:
         self.state: Any = None  # the streaming derender's state, carried between its calls
         self._answer: dict[str, Any] | None = None
 
-    async def feed(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
-        if "error" in chunk and not chunk.get("choices"):
-            self.error = dict(chunk)
-            return []
-        choices = [c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == 0]
+    async def feed_all(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chunks one read brought, derendered in one call: a derender call costs more than a token on a
+        loaded CPU (50-180 ms measured on the 2-core machine, the parser replaying the answer so far), so
+        tokens that came while one was out go together in the next, and the text keeps up with generation."""
         events: list[dict[str, Any]] = []
-        if not self.started and choices:
-            self.started = True
-            self.head = {k: chunk[k] for k in ("request_id", "prompt_token_ids") if chunk.get(k) is not None}
-            events += self.live.start({"id": f"chatcmpl-{chunk.get('request_id', '')}"},
-                                      len(self.plan.request.get("token_ids") or ()))
-        for choice in choices:
-            ids = list(choice.get("token_ids") or [])
-            entries = list((choice.get("logprobs") or {}).get("content") or [])
-            self.choice["token_ids"] += ids
-            if choice.get("logprobs") is not None:
-                self.choice["logprobs"] = {"content": [*(self.choice["logprobs"] or {}).get("content", []), *entries]}
-            for name in ("finish_reason", "stop_reason"):
-                if choice.get(name) is not None:
-                    self.choice[name] = choice[name]
-            if choice.get("finish_reason") == "stop" and not isinstance(choice.get("stop_reason"), str) and ids:
-                ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
-            if not ids:
+        ids: list[int] = []
+        entries: list[Any] = []
+        last: dict[str, Any] = {}
+        for chunk in chunks:
+            if "error" in chunk and not chunk.get("choices"):
+                self.error = dict(chunk)
                 continue
+            choices = [c for c in chunk.get("choices") or [] if isinstance(c, dict) and c.get("index", 0) == 0]
+            if not self.started and choices:
+                self.started = True
+                self.head = {k: chunk[k] for k in ("request_id", "prompt_token_ids") if chunk.get(k) is not None}
+                events += self.live.start({"id": f"chatcmpl-{chunk.get('request_id', '')}"},
+                                          len(self.plan.request.get("token_ids") or ()))
+            for choice in choices:
+                new = list(choice.get("token_ids") or [])
+                logprobs = list((choice.get("logprobs") or {}).get("content") or [])
+                self.choice["token_ids"] += new
+                if choice.get("logprobs") is not None:
+                    self.choice["logprobs"] = {"content": [*(self.choice["logprobs"] or {}).get("content", []),
+                                                           *logprobs]}
+                for name in ("finish_reason", "stop_reason"):
+                    if choice.get(name) is not None:
+                        self.choice[name] = choice[name]
+                ids += new
+                entries += logprobs
+                last = {**chunk, "choices": [choice]}
+        if self.choice["finish_reason"] == "stop" and not isinstance(self.choice["stop_reason"], str) and ids \
+                and last["choices"][0].get("finish_reason") is not None:
+            ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
+        if ids:
+            choice = last["choices"][0]
             part = {**choice, "token_ids": ids, "finish_reason": None, "stop_reason": None,
                     "logprobs": {"content": entries} if choice.get("logprobs") is not None else None}
-            text, logprobs, self.state = await self.plan.derender_chunk({**chunk, "choices": [part]}, self.state)
+            text, logprobs, self.state = await self.plan.derender_chunk({**last, "choices": [part]}, self.state)
             if text:
                 self.sent += text
                 events += self.live.text(text, logprobs)
