@@ -802,8 +802,11 @@ class CaptureProxy:
                         for chunk in convert(event.data) if convert is not None else (event.data,):
                             assembler.feed(chunk)
                             out.append(raw if raw_passthrough else shapes.sse_bytes(shapes.strip_unrequested(chunk, wants)))
-                if parsed:
-                    out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in await live.feed_all(parsed)]
+                if parsed:  # the start events go out before the derender call is awaited
+                    out += [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in live.take(parsed)]
+                    if out:
+                        await send(b"".join(out))
+                    out = [shapes.sse_bytes(shapes.strip_unrequested(e, wants)) for e in await live.derender_taken()]
                 if out:
                     await send(b"".join(out))
                 if not data:

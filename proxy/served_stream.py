@@ -24,7 +24,7 @@ answer parsed as unstreamed. Measured with ``bench/stream_tools.py`` (tiny model
 hermes, a ~1,200-token answer of text then a tool call): first text after 2.0 s against 4.0 s replayed (the
 replay's first byte is its last), the whole stream 4.6 s against 4.0 s. Each streaming derender call replays
 the parser over the answer so far (vLLM keeps no state between calls), 50-180 ms each on that CPU, so the
-tokens that arrive during one call go together in the next (``ParsedStream.feed_all``): a few text events per
+tokens that arrive during one call go together in the next (``ParsedStream.take``): a few text events per
 answer there, more where the server's CPU is free.
 
 What is still answered whole, then replayed (with keep-alives while generating):
@@ -125,7 +125,7 @@ class ServedStream:
 
 class ParsedStream:
     """A streamed call with tools (``tool_choice`` auto) relayed while generated: the ``ServedStream`` interface
-    (``feed_all`` per read and ``settle`` awaited) over ``/inference/v1/generate``'s token stream.
+    (``take`` then ``derender_taken`` per read, ``settle`` awaited) over ``/inference/v1/generate``'s token stream.
 
     Text: each generate chunk goes through the server's streaming derender (``ServedPlan.derender_chunk``), and
     the content its tool parser lets out goes to the harness at once. The parser holds back, by its own
@@ -155,15 +155,16 @@ class ParsedStream:
                                        "stop_reason": None}
         self.state: Any = None  # the streaming derender's state, carried between its calls
         self._answer: dict[str, Any] | None = None
+        self._taken: tuple[list[int], list[Any], dict[str, Any]] = ([], [], {})  # since the last derender call
 
-    async def feed_all(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The chunks one read brought, derendered in one call: a derender call costs more than a token on a
-        loaded CPU (50-180 ms measured on the 2-core machine, the parser replaying the answer so far), so
-        tokens that came while one was out go together in the next, and the text keeps up with generation."""
+    def take(self, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The chunks one read brought, kept for one streaming-derender call (``derender_taken``); the start
+        events when the first token came, to send before that call is awaited: a derender call costs more than
+        a token on a loaded CPU (50-180 ms measured on the 2-core machine, the parser replaying the answer so
+        far), so the harness sees its stream begin with the first token, and tokens that come while one call is
+        out go together in the next, so the text keeps up with generation."""
         events: list[dict[str, Any]] = []
-        ids: list[int] = []
-        entries: list[Any] = []
-        last: dict[str, Any] = {}
+        ids, entries, last = self._taken
         for chunk in chunks:
             if "error" in chunk and not chunk.get("choices"):
                 self.error = dict(chunk)
@@ -187,18 +188,26 @@ class ParsedStream:
                 ids += new
                 entries += logprobs
                 last = {**chunk, "choices": [choice]}
+        self._taken = (ids, entries, last)
+        return events
+
+    async def derender_taken(self) -> list[dict[str, Any]]:
+        """The text events of the tokens taken since the last call, derendered in one streaming-derender call."""
+        ids, entries, last = self._taken
+        self._taken = ([], [], {})
         if self.choice["finish_reason"] == "stop" and not isinstance(self.choice["stop_reason"], str) and ids \
                 and last["choices"][0].get("finish_reason") is not None:
             ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
-        if ids:
-            choice = last["choices"][0]
-            part = {**choice, "token_ids": ids, "finish_reason": None, "stop_reason": None,
-                    "logprobs": {"content": entries} if choice.get("logprobs") is not None else None}
-            text, logprobs, self.state = await self.plan.derender_chunk({**last, "choices": [part]}, self.state)
-            if text:
-                self.sent += text
-                events += self.live.text(text, logprobs)
-        return events
+        if not ids:
+            return []
+        choice = last["choices"][0]
+        part = {**choice, "token_ids": ids, "finish_reason": None, "stop_reason": None,
+                "logprobs": {"content": entries} if choice.get("logprobs") is not None else None}
+        text, logprobs, self.state = await self.plan.derender_chunk({**last, "choices": [part]}, self.state)
+        if not text:
+            return []
+        self.sent += text
+        return self.live.text(text, logprobs)
 
     def beat(self) -> bytes:
         return self.live.beat()

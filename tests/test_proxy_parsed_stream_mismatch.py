@@ -55,10 +55,17 @@ def plan() -> ServedPlan:
                       chat_request={"model": "tiny"}, derender=derender, live=True, derender_chunk=derender_chunk)
 
 
+START = {anthropic_api: "message_start", responses_api: "response.created"}
+
+
 async def relay(live: ParsedStream, shapes) -> list[dict]:
-    """What the harness receives, in the order ``CaptureProxy._relay`` sends it: each read's events, the
-    settled text, then the route's error event, or the closing events."""
-    events = [e for k in range(len(TOKENS)) for e in await live.feed_all([generate_chunk(k)])]
+    """What the harness receives, in the order ``CaptureProxy._relay`` sends it: each read's events (the start
+    events on the first token, before its derender call), the settled text, then the route's error event, or the closing events."""
+    events: list[dict] = []
+    for k in range(len(TOKENS)):
+        started = live.take([generate_chunk(k)])  # sent before the derender call is awaited
+        assert [e["type"] for e in started][:1] == ([] if k else [START[shapes]]) and live.state == (k or None)
+        events += started + await live.derender_taken()
     events += await live.settle()
     ending = (shapes.error_event(live.error.get("error", live.error)) if live.error is not None
               else b"".join(shapes.sse_bytes(e) for e in live.finish()))
