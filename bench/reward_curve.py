@@ -16,7 +16,6 @@ then runs the local spec in a temporary run directory.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import math
 import os
@@ -29,20 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from sqlalchemy import create_engine, make_url, select
+from sqlalchemy import create_engine, select
 
+from harnessrl.devcluster import chart
+from harnessrl.devcluster.chart import SMALL_NODE_VALUES
 from harnessrl.devcluster.helm import ensure_helm
 from harnessrl.store.schema import LearnerStep
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "vowels"
 RELEASE, SYSTEM, NAMESPACE = "harnessrl", "harnessrl-system", "bench-vowels"
-CHART_VALUES = (
-    "--set", "postgresql.persistence.size=1Gi",
-    # harness pods fill the node's CPU: the database and the operator must not wait behind them
-    "--set", "postgresql.priorityClassName=system-cluster-critical",
-    "--set", "operator.priorityClassName=system-cluster-critical",
-)  # fmt: skip
 
 
 def kubectl(*args: str, stdin: str | None = None, check: bool = True) -> str:
@@ -69,7 +64,7 @@ def rewards(store_url: str, run: str) -> list[float]:
 def through_the_operator(steps: int) -> list[float]:
     if kubectl("get", "deployment", RELEASE, "-n", SYSTEM, check=False).strip() == "":
         subprocess.run([str(ensure_helm()), "install", RELEASE, str(ROOT / "charts" / "harnessrl"), "--namespace",
-                        SYSTEM, "--create-namespace", "--wait", "--timeout", "600s", *CHART_VALUES], check=True)
+                        SYSTEM, "--create-namespace", "--wait", "--timeout", "600s", *SMALL_NODE_VALUES], check=True)
     kubectl("delete", "namespace", NAMESPACE, "--ignore-not-found", "--wait=true", "--timeout=300s")
     kubectl("create", "namespace", NAMESPACE)
     kubectl("create", "configmap", "vowels-tasks", "-n", NAMESPACE,
@@ -87,12 +82,7 @@ def through_the_operator(steps: int) -> list[float]:
         if status.get("phase") == "Failed" or time.monotonic() > deadline:
             sys.exit(f"the run through the operator did not succeed: {status}")
         time.sleep(10)
-    # The chart's store URL with the PostgreSQL pod's address for its name: this process is outside the cluster
-    # DNS, and the Service is headless.
-    secret = get("secret", "-n", SYSTEM, f"{RELEASE}-postgresql")
-    url = make_url(base64.b64decode(secret["data"]["url"]).decode())
-    pod = get("pod", "-n", SYSTEM, f"{RELEASE}-postgresql-0")
-    return rewards(url.set(host=pod["status"]["podIP"]).render_as_string(hide_password=False), name)
+    return rewards(chart.store_url(get, RELEASE, SYSTEM), name)
 
 
 def locally(steps: int) -> list[float]:

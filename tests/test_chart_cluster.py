@@ -1,12 +1,12 @@
 """The chart installed for real: helm v4 against the test control plane (kube-apiserver, controller manager,
 scheduler, kwok nodes), and the operator running as the chart's ServiceAccount.
 
-kwok plays the kubelet, so the operator and PostgreSQL pods the chart creates are scheduled and reported
-Running and Ready but no container runs: `helm install --wait` proves the objects are admitted, scheduled and
-bound (the PostgreSQL claim binds to a hostPath PersistentVolume made here; the cluster has no provisioner),
-not that the images work. What the operator may do is proven by running the real `harnessrl operator`
-process on this machine with a token of the chart's ServiceAccount from the real apiserver: it takes a run
-through create, pods, status, events, deadline, TTL clean-up and delete, and the API server's audit log of that
+kwok plays the kubelet, so the operator pod the chart creates is scheduled and reported Running but no
+container runs, and the chart's PostgreSQL is off here (tests/test_real_node_e2e.py installs, upgrades,
+uninstalls and reinstalls the chart with its images on the real node, where its claim binds through the
+provisioner). What the operator may do is proven by running the real `harnessrl operator` process on this
+machine with a token of the chart's ServiceAccount from the real apiserver: it takes a run through create, pods,
+status, events, deadline, TTL clean-up and delete, and the API server's audit log of that
 ServiceAccount must show no refused request and every granted verb used (RBAC that grants more than the
 operator does fails the test). A real Prometheus scrapes that operator meanwhile: every query of the operator
 dashboard must return series (but those on counters of failures, which a healthy run never creates).
@@ -97,55 +97,10 @@ def get(kube: Cluster, *args: str) -> dict[str, Any]:
 
 
 def install(kube: Cluster, helm: Any, release: str, namespace: str, *values: str) -> None:
-    """helm install --wait, with a PersistentVolume for PostgreSQL's claim (no provisioner here)."""
+    """helm install --wait, without the embedded PostgreSQL (the operator's store is a Secret's URL)."""
     kube.kubectl("create", "namespace", namespace)
-    volume = {
-        "apiVersion": "v1",
-        "kind": "PersistentVolume",
-        "metadata": {"name": f"data-{release}"},
-        "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadWriteOnce"],
-                 "hostPath": {"path": f"/tmp/harnessrl-chart-{release}"}},
-    }
-    kube.kubectl("apply", "-f", "-", input=json.dumps(volume))
-    helm("install", release, str(CHART), "--namespace", namespace, "--wait", "--timeout", "120s", *values)
-
-
-def released(kube: Cluster, release: str) -> set[str]:
-    """Every object labelled as the release's, namespaced or not, as kind/name."""
-    kinds = ("all,secrets,serviceaccounts,configmaps,persistentvolumeclaims,roles,rolebindings,"
-             "clusterroles,clusterrolebindings,mutatingwebhookconfigurations")
-    items = get(kube, kinds, "-A", "-l", f"app.kubernetes.io/instance={release}")["items"]
-    return {f"{item['kind']}/{item['metadata']['name']}" for item in items}
-
-
-def test_install_upgrade_and_uninstall_leave_only_the_crd_and_the_database_volume(
-    cluster: Cluster, helm: Any
-) -> None:
-    release, ns = "gone", "gone-system"
-    install(cluster, helm, release, ns)
-    assert released(cluster, release) >= {
-        "Deployment/gone-harnessrl", "StatefulSet/gone-harnessrl-postgresql",
-        "PersistentVolumeClaim/data-gone-harnessrl-postgresql-0", "ServiceAccount/gone-harnessrl",
-        "ClusterRole/gone-harnessrl", "ClusterRole/gone-harnessrl-cluster",
-        "MutatingWebhookConfiguration/gone-harnessrl-proxy-injector", "Secret/gone-harnessrl-webhook-tls",
-    }
-    pods = get(cluster, "pods", "-n", ns)["items"]
-    assert sorted(p["status"]["phase"] for p in pods) == ["Running", "Running"]  # kwok: scheduled, not run
-    get(cluster, "crd", "trainingruns.harnessrl.io")
-
-    def secrets() -> tuple[str, str]:
-        password = get(cluster, "secret", f"{release}-harnessrl-postgresql", "-n", ns)["data"]["password"]
-        return password, get(cluster, "secret", f"{release}-harnessrl-webhook-tls", "-n", ns)["data"]["ca.crt"]
-
-    before = secrets()
-    helm("upgrade", release, str(CHART), "--namespace", ns, "--wait", "--timeout", "120s")
-    assert secrets() == before, "an upgrade changed the database password or the webhook CA"
-    ca_bundle = get(cluster, "mutatingwebhookconfiguration", f"{release}-harnessrl-proxy-injector")
-    assert ca_bundle["webhooks"][0]["clientConfig"]["caBundle"] == before[1]
-
-    helm("uninstall", release, "--namespace", ns, "--wait", "--timeout", "120s")
-    assert released(cluster, release) == {"PersistentVolumeClaim/data-gone-harnessrl-postgresql-0"}
-    get(cluster, "crd", "trainingruns.harnessrl.io")
+    helm("install", release, str(CHART), "--namespace", namespace, "--wait", "--timeout", "120s",
+         "--set", "postgresql.enabled=false,store.existingSecret=store", *values)
 
 
 def token_kubeconfig(kube: Cluster, directory: Path) -> Path:
@@ -279,7 +234,7 @@ def test_the_service_account_cannot_do_what_the_operator_does_not(cluster: Clust
     """Impersonation through the real authorizer: with watchNamespaces the workload rights hold only there."""
     cluster.kubectl("create", "namespace", "team-b")
     install(cluster, helm, "narrow", "narrow-system", "--set", "operator.watchNamespaces={team-b}",
-            "--set", "webhook.enabled=false,postgresql.enabled=false,store.existingSecret=store")
+            "--set", "webhook.enabled=false")
     user = "system:serviceaccount:narrow-system:narrow-harnessrl"
 
     def can(*args: str) -> bool:

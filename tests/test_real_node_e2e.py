@@ -10,7 +10,6 @@ Slow (images of several GiB, vLLM and a learner on 2 cores): the spec runs 2 ste
 
 from __future__ import annotations
 
-import base64
 import functools
 import json
 import os
@@ -27,7 +26,8 @@ import kube_helpers
 from prometheus_monitors import Discovery, scrape_configs
 from test_chart_dashboards import Processes, ask, dashboards, prometheus_binary, queries, start_prometheus
 
-from harnessrl.devcluster import Cluster
+from harnessrl.devcluster import Cluster, chart
+from harnessrl.devcluster.chart import SMALL_NODE_VALUES
 from harnessrl.devcluster.helm import ensure_helm
 from harnessrl.devcluster.images import ensure_images, import_images
 
@@ -37,13 +37,6 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "vowels" / "trainingrun-cluster.yaml"
 RELEASE, SYSTEM, TEAM = "harnessrl", "harnessrl-system", "team-a"
 STEPS = 2
-INSTALL_VALUES = (
-    "--set", "postgresql.persistence.size=1Gi",
-    "--set", "postgresql.resources.requests.memory=128Mi", "--set", "operator.resources.requests.memory=128Mi",
-    # harness pods fill the node's CPU: a deleted PostgreSQL or operator pod must get back before them
-    "--set", "postgresql.priorityClassName=system-cluster-critical",
-    "--set", "operator.priorityClassName=system-cluster-critical",
-)  # fmt: skip
 NO_SERIES_IN_A_HAPPY_RUN = (
     "harnessrl_operator_reconcile_errors_total", "harnessrl_operator_pod_create_failures_total",
     "harnessrl_operator_evaluation_", "harnessrl_proxy_write_errors_total",
@@ -74,7 +67,7 @@ def installed(real_cluster: Cluster) -> Cluster:
     real_cluster.kubectl("create", "namespace", SYSTEM)
     result = subprocess.run(
         [str(helm), "--kubeconfig", str(real_cluster.kubeconfig), "install", RELEASE, str(ROOT / "charts" / "harnessrl"),
-         "--namespace", SYSTEM, "--wait", "--timeout", "600s", *INSTALL_VALUES],
+         "--namespace", SYSTEM, "--wait", "--timeout", "600s", *SMALL_NODE_VALUES],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + diagnose(real_cluster)
@@ -82,14 +75,7 @@ def installed(real_cluster: Cluster) -> Cluster:
 
 
 def store_url(cluster: Cluster) -> str:
-    """The chart's store URL with the PostgreSQL pod's address for its host name: this process runs on the node,
-    outside the cluster's DNS, and the Service is headless (no ClusterIP to use instead)."""
-    from sqlalchemy.engine import make_url
-
-    secret = get(cluster, "secret", "-n", SYSTEM, f"{RELEASE}-postgresql")
-    url = make_url(base64.b64decode(secret["data"]["url"]).decode())
-    pod = get(cluster, "pod", "-n", SYSTEM, f"{RELEASE}-postgresql-0")
-    return url.set(host=pod["status"]["podIP"]).render_as_string(hide_password=False)
+    return chart.store_url(functools.partial(get, cluster), RELEASE, SYSTEM)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +119,7 @@ def monitors(cluster: Cluster) -> list[dict[str, Any]]:
     one does not, so the install made none)."""
     rendered = subprocess.run(
         [str(ensure_helm()), "template", RELEASE, str(ROOT / "charts" / "harnessrl"), "--namespace", SYSTEM,
-         "--api-versions", "monitoring.coreos.com/v1", "--show-only", "templates/monitoring.yaml", *INSTALL_VALUES],
+         "--api-versions", "monitoring.coreos.com/v1", "--show-only", "templates/monitoring.yaml", *SMALL_NODE_VALUES],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     return [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
@@ -352,5 +338,72 @@ def test_a_run_goes_on_through_evictions_and_restarts_of_every_component(
         assert len(consumed) == len(set(consumed)), "an attempt was trained on by two steps"
         versions = [v.version for v in ledger.versions()]
         assert versions == sorted(set(versions)) and versions[-1] >= 3, versions
+    finally:
+        store.close()
+
+
+def released(cluster: Cluster) -> set[str]:
+    """Every object labelled as the release's, namespaced or not, as kind/name."""
+    kinds = ("all,secrets,serviceaccounts,configmaps,persistentvolumeclaims,roles,rolebindings,"
+             "clusterroles,clusterrolebindings,mutatingwebhookconfigurations")
+    items = get(cluster, kinds, "-A", "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+    return {f"{item['kind']}/{item['metadata']['name']}" for item in items}
+
+
+def test_upgrade_keeps_the_secrets_and_a_reinstall_finds_the_traces(installed: Cluster) -> None:
+    """After the run above: `helm upgrade` keeps the database password and the webhook's CA; `helm uninstall`
+    leaves only the CRD, the database's claim and its password; installing again reads that password back,
+    and the store still holds the run trained above. The claim was bound by the node's provisioner, and every
+    pod of the chart ran its image (Ready), where a kwok node only reports them Running."""
+    from harnessrl.devcluster.node_config import PROVISIONER, STORAGE_CLASS
+    from harnessrl.store import TraceStore
+    from harnessrl.store.learner_ledger import LearnerLedger
+
+    cluster, helm = installed, str(ensure_helm())
+    database = f"{RELEASE}-postgresql"
+    claim = get(cluster, "pvc", f"data-{database}-0", "-n", SYSTEM)
+    assert claim["status"]["phase"] == "Bound" and claim["spec"]["storageClassName"] == STORAGE_CLASS, claim
+    volume = get(cluster, "pv", claim["spec"]["volumeName"])
+    assert volume["metadata"]["annotations"]["pv.kubernetes.io/provisioned-by"] == PROVISIONER, volume["metadata"]
+
+    def pods_ready() -> bool:
+        pods = get(cluster, "pods", "-n", SYSTEM, "-l", f"app.kubernetes.io/instance={RELEASE}")["items"]
+        return len(pods) == 2 and all(
+            c["ready"] for p in pods if not p["metadata"].get("deletionTimestamp")
+            for c in p["status"].get("containerStatuses", [{"ready": False}]))
+
+    def secrets() -> tuple[str, str]:
+        password = get(cluster, "secret", database, "-n", SYSTEM)["data"]["password"]
+        return password, get(cluster, "secret", f"{RELEASE}-webhook-tls", "-n", SYSTEM)["data"]["ca.crt"]
+
+    def helm_do(*args: str) -> None:
+        done = subprocess.run([helm, "--kubeconfig", str(cluster.kubeconfig), *args, "--namespace", SYSTEM,
+                               "--wait", "--timeout", "600s"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr + diagnose(cluster)
+
+    assert pods_ready(), diagnose(cluster)
+    assert {f"Deployment/{RELEASE}", f"StatefulSet/{database}", f"ServiceAccount/{RELEASE}", f"ClusterRole/{RELEASE}",
+            f"ClusterRole/{RELEASE}-cluster", f"MutatingWebhookConfiguration/{RELEASE}-proxy-injector",
+            f"Secret/{RELEASE}-webhook-tls"} <= released(cluster)
+    before = secrets()
+    helm_do("upgrade", RELEASE, str(ROOT / "charts" / "harnessrl"), *SMALL_NODE_VALUES)
+    assert secrets() == before, "an upgrade changed the database password or the webhook CA"
+    webhook = get(cluster, "mutatingwebhookconfiguration", f"{RELEASE}-proxy-injector")
+    assert webhook["webhooks"][0]["clientConfig"]["caBundle"] == before[1]
+
+    helm_do("uninstall", RELEASE)
+    # --wait waits for the Deployment and StatefulSet; their pods end after, stopped by the kubelet.
+    wait_for("the release's pods gone", lambda: not any(o.startswith("Pod/") for o in released(cluster)),
+             timeout=300)
+    assert released(cluster) == {f"PersistentVolumeClaim/data-{database}-0", f"Secret/{database}"}
+    get(cluster, "crd", "trainingruns.harnessrl.io")
+
+    helm_do("install", RELEASE, str(ROOT / "charts" / "harnessrl"), *SMALL_NODE_VALUES)
+    assert secrets()[0] == before[0], "a reinstall made a new database password: the kept data would refuse it"
+    assert get(cluster, "pvc", f"data-{database}-0", "-n", SYSTEM)["spec"]["volumeName"] == volume["metadata"]["name"]
+    wait_for("the chart's pods ready again", pods_ready, timeout=300)
+    store = TraceStore.connect(store_url(cluster))
+    try:
+        assert LearnerLedger(store, "vowels").committed_step() == STEPS, "the reinstalled chart lost the run"
     finally:
         store.close()
