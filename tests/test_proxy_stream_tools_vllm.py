@@ -23,9 +23,9 @@ import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
 from proxy_servers import metric_value
+from test_proxy_stream_continued_vllm import continued_calls, used
 from vllm_fixtures import VllmServer, proxy_in_front
 
-from harnessrl.store import CallStatus
 
 pytest_plugins = ["vllm_fixtures"]  # fixtures: tiny_model_dir, tool_server (shared)
 
@@ -46,11 +46,6 @@ def captured(tool_server: VllmServer, tmp_path_factory: pytest.TempPathFactory):
         yield pair
 
 
-def used(proxy) -> float:
-    return metric_value(httpx.get(f"{proxy.url}/metrics").text, "harnessrl_proxy_token_continuity_total",
-                        outcome="used") or 0
-
-
 def streams(proxy, route: str) -> tuple[float, float]:
     """How many streamed calls of ``route`` were relayed while generated, and how many replayed."""
     text = httpx.get(f"{proxy.url}/metrics").text
@@ -64,19 +59,6 @@ def without_ids(obj):
         return {k: without_ids(v) for k, v in obj.items()
                 if k not in ("id", "created_at", "call_id", "parsed", "parsed_arguments")}
     return [without_ids(v) for v in obj] if isinstance(obj, list) else obj
-
-
-def second_calls(store, proxy, rollouts: list[str]) -> list:
-    proxy.flush(60)
-    out = []
-    for rollout in rollouts:
-        first, second = store.read_calls(rollout, 0)[:2]
-        assert first.status is second.status is CallStatus.OK
-        assert second.prompt_token_ids[: len(first.prompt_token_ids) + len(first.completion_token_ids)] == [
-            *first.prompt_token_ids, *first.completion_token_ids]
-        assert len(second.completion_token_ids) == len(second.logprobs) > 0
-        out.append(second)
-    return out
 
 
 def assert_same_capture(unary, streamed) -> None:
@@ -125,7 +107,7 @@ def test_continued_messages_with_tools_stream_text_then_the_tool_call(captured):
     assert message.content[1].name == "Bash" and message.content[1].input == {"command": "pytest"}
     assert message.stop_reason == "tool_use"
     assert without_ids(message.model_dump()) == without_ids(finals[False].model_dump())
-    unary, streamed = second_calls(store, proxy, ["tmsg-False", "tmsg-True"])
+    unary, streamed = continued_calls(store, proxy, ["tmsg-False", "tmsg-True"], tokens=None)
     assert_same_capture(unary, streamed)
 
 
@@ -166,5 +148,5 @@ def test_continued_responses_with_tools_stream_text_then_the_function_call(captu
     assert [i.type for i in response.output] == ["message", "function_call"]
     assert response.output[1].name == "Bash" and json.loads(response.output[1].arguments) == {"command": "pytest"}
     assert without_ids(response.model_dump()) == without_ids(finals[False].model_dump())
-    unary, streamed = second_calls(store, proxy, ["tresp-False", "tresp-True"])
+    unary, streamed = continued_calls(store, proxy, ["tresp-False", "tresp-True"], tokens=None)
     assert_same_capture(unary, streamed)
