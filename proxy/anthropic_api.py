@@ -329,7 +329,7 @@ KEEPALIVE = sse_bytes({"type": "ping"})  # Anthropic's own keep-alive event
 
 def heartbeat(body: Mapping[str, Any], convert: Any) -> Heartbeat:
     """The keep-alive of a streamed call answered whole: ``ping`` events (Claude Code's idle timers count them)."""
-    return Heartbeat(KEEPALIVE)
+    return Heartbeat(KEEPALIVE, error_event)
 
 
 def error_event(error: Mapping[str, Any]) -> bytes:
@@ -350,6 +350,9 @@ class LiveMessage:
 
     def beat(self) -> bytes:
         return KEEPALIVE
+
+    def error(self, error: Mapping[str, Any]) -> bytes:
+        return error_event(error)
 
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
         message = {"id": head.get("id"), "type": "message", "role": "assistant", "content": [],

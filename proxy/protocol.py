@@ -30,7 +30,7 @@ and log-probs included); the store itself keeps the arrays once (``harnessrl.sto
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -52,13 +52,18 @@ class Heartbeat:
     the answer's events alone. A keep-alive must be something the client's stream idle timer counts: Codex
     CLI's does not count SSE comments (measured: with ``stream_idle_timeout_ms`` 3000 it gave up on a stream
     of comments every 0.5 s), so Responses streams use events (``responses_api.ResponsesHeartbeat``).
+    ``error`` is the route's error event (``failed``) for an answer that failed once the stream was open.
     """
 
-    def __init__(self, keepalive: bytes) -> None:
+    def __init__(self, keepalive: bytes, failed: Callable[[Mapping[str, Any]], bytes]) -> None:
         self.keepalive = keepalive
+        self.failed = failed
 
     def beat(self) -> bytes:
         return self.keepalive
+
+    def error(self, error: Mapping[str, Any]) -> bytes:
+        return self.failed(error)
 
     def rest(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return events
@@ -66,7 +71,7 @@ class Heartbeat:
 
 def heartbeat(body: Mapping[str, Any], convert: Any) -> Heartbeat:
     """The keep-alive of a streamed chat call answered whole (``ServedPlan.replay``): SSE comments."""
-    return Heartbeat(KEEPALIVE)
+    return Heartbeat(KEEPALIVE, error_event)
 
 
 class RequestError(ValueError):

@@ -182,13 +182,14 @@ class ResponsesHeartbeat(protocol.Heartbeat):
     events, not SSE comments (``protocol.Heartbeat``). The first beat is the answer's own start,
     ``response.created`` then ``response.in_progress`` (the OpenAI SDK's stream helper refuses any event before
     ``response.created``), each later beat ``response.in_progress`` again; once the answer is whole, ``rest``
-    leaves those two out of its events and numbers the others on. The response id is the one the answer will
-    carry when the call is served as a chat completion (``converter``); on vLLM's own route it is not known in
-    advance, and only the final event names the answer's id.
+    leaves those two out of its events and numbers the others on, as ``error`` numbers a failed answer's error
+    event (the Codex CLI and the openai SDK read ``sequence_number``). The response id is the one the answer
+    will carry when the call is served as a chat completion (``converter``); on vLLM's own route it is not
+    known in advance, and only the final event names the answer's id.
     """
 
     def __init__(self, body: Mapping[str, Any], response_id: str) -> None:
-        super().__init__(b"")
+        super().__init__(b"", self.error)  # beat and error: this class's own, numbered
         self.start_response = {**envelope(body, response_id, int(time.time()), body.get("model")),
                                "status": "in_progress", "output": [], "usage": None}
         self.sent = 0
@@ -206,6 +207,10 @@ class ResponsesHeartbeat(protocol.Heartbeat):
             return events
         kept = [e for e in events if e.get("type") not in ("response.created", "response.in_progress")]
         return [{**e, "sequence_number": self.sent + i} for i, e in enumerate(kept)]
+
+    def error(self, error: Mapping[str, Any]) -> bytes:
+        self.sent += 1
+        return error_event(error, self.sent - 1)
 
 
 class LiveResponse(ResponsesHeartbeat):
@@ -275,10 +280,11 @@ def new_response_id() -> str:
     return f"resp_{uuid.uuid4().hex}"
 
 
-def error_event(error: Mapping[str, Any]) -> bytes:
-    """The Responses stream's error event."""
+def error_event(error: Mapping[str, Any], sequence_number: int) -> bytes:
+    """The Responses stream's error event, numbered after the ``sequence_number`` events sent before it
+    (``ResponsesHeartbeat.error`` knows how many)."""
     return sse_bytes({"type": "error", "code": error.get("code"), "message": str(error.get("message") or ""),
-                      "param": error.get("param"), "sequence_number": 0})
+                      "param": error.get("param"), "sequence_number": sequence_number})
 
 
 @dataclass

@@ -56,6 +56,9 @@ class LiveEvents(Protocol):
     def beat(self) -> bytes:
         """A keep-alive before the first token (the replay path's ``heartbeat``)."""
 
+    def error(self, error: Mapping[str, Any]) -> bytes:
+        """The route's error event, ending a stream whose answer failed after events went out."""
+
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]: ...
 
     def text(self, delta: str, logprobs: Any) -> list[dict[str, Any]]:

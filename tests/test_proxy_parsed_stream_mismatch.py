@@ -67,7 +67,7 @@ async def relay(live: ParsedStream, shapes) -> list[dict]:
         assert [e["type"] for e in started][:1] == ([] if k else [START[shapes]]) and live.state == (k or None)
         events += started + await live.derender_taken()
     events += await live.settle()
-    ending = (shapes.error_event(live.error.get("error", live.error)) if live.error is not None
+    ending = (live.live.error(live.error.get("error", live.error)) if live.error is not None
               else b"".join(shapes.sse_bytes(e) for e in live.finish()))
     return events + [json.loads(line.removeprefix(b"data: ")) for line in ending.splitlines()
                      if line.startswith(b"data: ")]
@@ -95,8 +95,9 @@ def test_a_parse_that_withdraws_sent_text_ends_with_the_error_event_and_is_store
     error = events[-1]
     if shapes is anthropic_api:
         assert error["error"]["type"] == "upstream_error" and "retry the call" in error["error"]["message"]
-    else:
+    else:  # numbered on after the events sent (the Codex CLI and the openai SDK read sequence_number)
         assert error["code"] == "streamed_text_not_parsed" and "retry the call" in error["message"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
     assert not success_events & set(kinds) and not call_events & set(kinds)
     assert not any(e.get("content_block", {}).get("type") == "tool_use" for e in events)
     assert not any((e.get("item") or {}).get("type") == "function_call" for e in events)

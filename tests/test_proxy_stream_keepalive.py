@@ -74,6 +74,9 @@ def test_a_slow_responses_stream_starts_with_its_events_and_a_late_error_is_an_e
     lines = stream_lines(f"{proxy.url}/v1/responses", body)
     assert lines[0] == "event: response.created" and lines[-2:] == ["event: error", lines[-1]]
     assert '"scripted 500"' in lines[-1]
+    numbers = [json.loads(line.removeprefix("data: "))["sequence_number"] for line in lines
+               if line.startswith("data: ")]
+    assert numbers == list(range(len(numbers))) and len(numbers) >= 3  # the error numbered on after the beats
     # an error before the first keep-alive keeps its status
     proxy_fast = make_proxy([upstream.url], stream_keepalive_s=30)
     upstream.fake.script.append(400)
