@@ -40,6 +40,8 @@ import aiohttp
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from harnessrl.store.call_rows import attempt_key
+from harnessrl.store.digest_cache import PrefixDigestCache
 from harnessrl.store.records import CallStatus, RolloutState
 from harnessrl.store.states import AttemptSettled, IllegalTransition
 
@@ -185,6 +187,7 @@ class CaptureProxy:
         self.versions = versions or AdminPolicyVersion(config.policy_version)
         self.gate = PauseGate(config.pause_mode, config.pause_retry_after_s)
         self.ledger = RolloutLedger(config.live_rollouts, config.last_call_tokens)
+        self.digests = PrefixDigestCache()  # message prefix digests of live conversations (delta encoding)
         self.writer = TraceWriter(
             store,
             Spool(config.resolved_spool_path, config.spool_max_bytes),
@@ -382,7 +385,7 @@ class CaptureProxy:
         if x.chat_messages is not None and status is CallStatus.OK:  # continued later like the chat call it was
             reply = wire(x.route).chat_reply(response)
             chat = None if reply is None else (x.chat_messages, reply)
-        item = CallItem(record, size=len(x.payload))
+        item = CallItem(record, size=len(x.payload), digests=self.digests)
         self.ledger.remember(who.key, record, x.rendered, chat, item.packed)
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
@@ -976,6 +979,7 @@ class CaptureProxy:
             FinishItem(who.rollout_id, who.attempt, RolloutState(status), reason, who.run)
         )
         self.ledger.forget(who.key)
+        self.digests.forget(attempt_key(who))
         if isinstance(failure, IllegalTransition):
             raise RequestError(
                 f"rollout {who.rollout_id} attempt {who.attempt} is already {failure.from_state.value}: "

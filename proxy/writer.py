@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from harnessrl.store import codec
 from harnessrl.store.call_rows import PreparedCall, prepare_call
+from harnessrl.store.digest_cache import PrefixDigestCache
 from harnessrl.store.records import CallRecord, CallStatus, RolloutState
 
 from .metrics import ProxyMetrics
@@ -92,6 +93,7 @@ class CallItem:
     # store and the proxy's ledger (``LastCall.of``); None when prepared already or not token ids (the store
     # then says what is wrong with them).
     packed: tuple[bytes, bytes] | None = None
+    digests: PrefixDigestCache | None = None  # the proxy's, so a call hashes only its new messages
 
     def __post_init__(self) -> None:
         record = self.record
@@ -108,7 +110,7 @@ class CallItem:
         if isinstance(call, PreparedCall):
             return
         try:
-            self.call = prepare_call(call, self.packed)
+            self.call = prepare_call(call, self.packed, self.digests)
         except ValueError:
             pass  # the writer hands it over as it is: the store refuses it with the reason (kept in .rejected)
         self.packed = None  # the prepared call holds the same bytes

@@ -12,9 +12,10 @@ import copy
 import math
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from harnessrl.store import codec, delta
+from harnessrl.store.digest_cache import PrefixDigestCache
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
 
 ID_MAX = 128
@@ -160,11 +161,17 @@ class PreparedCall:
         }
 
 
-def prepare_call(record: CallRecord, packed: tuple[bytes, bytes] | None = None) -> PreparedCall:
+def prepare_call(
+    record: CallRecord,
+    packed: tuple[bytes, bytes] | None = None,
+    digests: PrefixDigestCache | None = None,
+) -> PreparedCall:
     """Validate one record (ValueError naming the field) and pack its predecessor-independent parts.
 
     ``packed``: the record's prompt and completion ids as ``codec.pack_ids`` packs them, when the caller has
-    them already (the proxy packs them once for its own ledger too)."""
+    them already (the proxy packs them once for its own ledger too). ``digests``: where the message prefix
+    digests of the attempt's earlier calls are kept, so only this call's new messages are hashed (the
+    proxy's; keyed by ``attempt_key``)."""
     check_id(record.call_id, "call_id")
     check_id(record.run, "run")
     check_id(record.rollout_id, "rollout_id")
@@ -208,8 +215,12 @@ def prepare_call(record: CallRecord, packed: tuple[bytes, bytes] | None = None) 
     response, stripped = codec.strip_response(
         record.response, record.prompt_token_ids, record.completion_token_ids, record.logprobs
     )
+    digests_of = delta.prefix_digests
+    if digests is not None:
+        key = attempt_key(record)
+        digests_of = lambda items: digests.digests(key, items)  # noqa: E731
     anchor, input_digests = delta.describe(
-        record.call_id, prompt_bytes, completion_bytes, record.request, record.response
+        record.call_id, prompt_bytes, completion_bytes, record.request, record.response, digests_of
     )
     kept = copy.copy(record)  # the caller's record is left as it was (cheaper than dataclasses.replace)
     kept.response = None
@@ -225,6 +236,20 @@ def prepare_call(record: CallRecord, packed: tuple[bytes, bytes] | None = None) 
         anchor,
         input_digests,
     )
+
+
+class _OfAttempt(Protocol):
+    @property
+    def run(self) -> str: ...
+    @property
+    def rollout_id(self) -> str: ...
+    @property
+    def attempt(self) -> int: ...
+
+
+def attempt_key(of: _OfAttempt) -> tuple[str, str, int]:
+    """What ``prepare_call``'s digest cache keys a call's conversation by (of a record or an attribution)."""
+    return (of.run, of.rollout_id, of.attempt)
 
 
 def pack_allowed(allowed: list[list[int]] | None, completion_tokens: int) -> bytes | None:

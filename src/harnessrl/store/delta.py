@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +80,8 @@ def _item_text(item: Any) -> bytes:
 def prefix_digests(items: list[Any]) -> list[bytes]:
     """Digests of ``items[:n]`` for every n (index n), in one pass (items are separated by a byte JSON never
     contains unescaped, so different splits cannot collide). Computed once per call and kept, because the
-    JSON text of each message is what costs."""
+    JSON text of each message is what costs; ``digest_cache.PrefixDigestCache`` gives the same digests
+    hashing only what a conversation's previous call did not have."""
     h = hashlib.blake2b(b"L", digest_size=DIGEST_SIZE)
     found = [h.copy().digest()]
     for item in items:
@@ -143,9 +145,12 @@ def describe(
     completion_bytes: bytes,
     request: dict[str, Any],
     response: dict[str, Any] | None,
+    digests_of: Callable[[list[Any]], list[bytes]] = prefix_digests,
 ) -> tuple[Anchor, list[bytes] | None]:
     """The call's anchor, and the prefix digests of its chat messages (None for a text prompt or neither):
-    ``encode`` takes them back so the messages are serialised and hashed once per call, not twice."""
+    ``encode`` takes them back so the messages are serialised and hashed once per call, not twice.
+    ``digests_of``: ``prefix_digests`` or what returns the same (a ``PrefixDigestCache`` for the call's
+    conversation)."""
     context_len = (len(prompt_bytes) + len(completion_bytes)) // 4
     context_digest = tokens_digest(prompt_bytes + completion_bytes)
     request_in = request_input(request)
@@ -161,7 +166,7 @@ def describe(
         )  # fmt: skip
         return anchor, None
     io_list = request_in if output is None else join_io(request_in, output)
-    digests = prefix_digests(io_list)
+    digests = digests_of(io_list)
     has_io = output is not None
     anchor = Anchor(
         call_id, context_len, context_digest,
