@@ -6,6 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 src/harnessrl/devcluster/helm.py >/dev/null
 if ! command -v prometheus >/dev/null; then
-  if [ "$(id -u)" != 0 ]; then echo "prometheus is not installed and we are not root: apt-get install prometheus" >&2; exit 1; fi
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+  scripts/apt-install.sh prometheus
 fi

@@ -12,8 +12,7 @@ CODEX_VERSION=0.171.0
 root="${XDG_CACHE_HOME:-$HOME/.cache}/harnessrl/harness-clis"
 
 if ! command -v npm >/dev/null; then
-  if [ "$(id -u)" != 0 ]; then echo "npm is not installed and we are not root: apt-get install npm" >&2; exit 1; fi
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm >/dev/null
+  "$(dirname "$0")/apt-install.sh" npm
 fi
 
 # install PACKAGE VERSION: the prefix it is installed under (installed once; a half-done install is redone)

@@ -10,8 +10,7 @@ _pg_as_owner() {
 
 start_postgres() {
   if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
-    if [ "$(id -u)" != 0 ]; then echo "postgresql is not installed and we are not root" >&2; return 1; fi
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null || return 1
+    "$(dirname "${BASH_SOURCE[0]}")/apt-install.sh" postgresql || return 1
   fi
   local bin port
   bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)

@@ -10,9 +10,7 @@ MINI_SWE_AGENT_VERSION=2.4.6
 root="${XDG_CACHE_HOME:-$HOME/.cache}/harnessrl/mini-swe-agent-$MINI_SWE_AGENT_VERSION"
 
 if ! command -v bwrap >/dev/null; then
-  if [ "$(id -u)" != 0 ]; then echo "bwrap is not installed and we are not root: apt-get install bubblewrap" >&2; exit 1; fi
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null ||
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends bubblewrap >/dev/null; }
+  "$(dirname "$0")/apt-install.sh" bubblewrap
 fi
 
 if [ ! -f "$root/.installed" ]; then  # a half-done install is redone

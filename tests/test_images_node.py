@@ -23,6 +23,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from harnessrl.devcluster.containerd import private_containerd
 from harnessrl.devcluster.images import (
     INPUTS_LABEL,
     BASE_REF,
@@ -49,32 +50,14 @@ def built() -> dict[str, Built]:
 
 @pytest.fixture(scope="module")
 def containerd() -> Iterator[str]:
-    """A containerd of this test's own; its address."""
+    """A containerd of this test's own, on a root of its own; its address."""
     assert os.geteuid() == 0 and shutil.which("containerd"), "needs root and containerd (kube.sh build --node)"
-    folder = Path(tempfile.mkdtemp(prefix="hr-ctrd-", dir="/tmp"))
-    address = str(folder / "containerd.sock")
-    config = folder / "config.toml"
-    config.write_text(
-        "version = 2\n"
-        f'root = "{folder}/root"\nstate = "{folder}/state"\n'
-        'disabled_plugins = ["io.containerd.grpc.v1.cri"]\n'
-        f'[grpc]\n  address = "{address}"\n[ttrpc]\n  address = "{address}.ttrpc"\n'
-        '[debug]\n  address = ""\n[metrics]\n  address = ""\n'
-        f'[plugins."io.containerd.internal.v1.opt"]\n  path = "{folder}/opt"\n'
-    )
-    log = open(folder / "containerd.log", "w")
-    server = subprocess.Popen(["containerd", "--config", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    root = Path(tempfile.mkdtemp(prefix="hr-ctrd-root-", dir="/tmp"))
     try:
-        deadline = time.monotonic() + 30
-        while _ctr(address, "version", check=False).returncode != 0:
-            assert server.poll() is None and time.monotonic() < deadline, (folder / "containerd.log").read_text()
-            time.sleep(0.2)
-        yield address
+        with private_containerd(root) as address:
+            yield address
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        log.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def _ctr(address: str, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -170,6 +153,23 @@ def test_import_takes_each_image_once_under_its_references(built: dict[str, Buil
     labels = _ctr(containerd, "images", "ls").stdout
     assert labels.count(f"{INPUTS_LABEL}={postgres.key}") == len(refs)
     assert not list(images_dir().glob("postgres-*.tar"))
+
+
+def test_images_imported_before_the_node_starts_are_the_nodes(built: dict[str, Built]) -> None:
+    """What `scripts/kube.sh images --node-store` relies on (CI imports while the control plane compiles): what a
+    containerd started for the import put in a root is there, labelled with its inputs, for the next containerd
+    on that root (the node's), which so imports nothing again."""
+    vowels = built["harness-vowels"]
+    refs = [vowels.image.ref, *vowels.image.aliases]
+    root = Path(tempfile.mkdtemp(prefix="hr-ctrd-root-", dir="/tmp"))
+    try:
+        with private_containerd(root) as address:
+            assert import_images(CTR, address, NAMESPACE, built=[vowels], log=lambda _: None) == refs
+        with private_containerd(root) as address:
+            assert import_images(CTR, address, NAMESPACE, built=[vowels], log=lambda _: None) == []
+            assert _ctr(address, "images", "ls").stdout.count(f"{INPUTS_LABEL}={vowels.key}") == len(refs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_postgres_image_serves_the_database_the_chart_asks_for(built: dict[str, Built], containerd: str) -> None:

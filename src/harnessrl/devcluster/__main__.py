@@ -16,7 +16,7 @@ import click
 from harnessrl.devcluster.build import BuildError, ensure_binaries, ensure_node_binaries
 from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
 from harnessrl.devcluster.images import ImageError, ensure_images, import_images
-from harnessrl.devcluster.node import NodeError, preflight
+from harnessrl.devcluster.node import NodeError, image_store, preflight
 
 
 def _dir() -> Path:
@@ -75,19 +75,27 @@ def up(nodes: int | None, port: int | None, real_node: bool) -> None:
 
 @main.command()
 @click.argument("names", nargs=-1)
-def images(names: tuple[str, ...]) -> None:
+@click.option(
+    "--node-store",
+    is_flag=True,
+    help="With no real node up, import them into its image store anyway (a containerd started for the import "
+    "alone), so the next `up --real-node` starts with them: CI does this while the control plane compiles.",
+)
+def images(names: tuple[str, ...], node_store: bool) -> None:
     """Build the images the chart and operator run (all, or NAMES) from images/ with podman, cached in podman's
-    store by their inputs; with a real node up, import them into its containerd."""
+    store by their inputs; with a real node up (or --node-store), import them into its containerd."""
     built = ensure_images(names or None, _say)
     for item in built:
         took = f"built in {item.seconds:.0f} s" if item.seconds else "cached"
         click.echo(f"{item.image.ref}: {item.size_bytes / 2**20:.0f} MiB ({took})")
     directory = _dir()
+    node_up = False
     if (directory / "cluster.json").exists():
         cluster = Cluster.load(directory)
-        if cluster.node and cluster.running().get("containerd"):
-            socket = Path(cluster.node["run"]) / "containerd.sock"
-            import_images("ctr", str(socket), built=built, log=_say)
+        node_up = bool(cluster.node and cluster.running().get("containerd"))
+    if node_up or node_store:
+        with image_store(_say) as address:
+            import_images("ctr", address, built=built, log=_say)
 
 
 @main.command()

@@ -30,13 +30,15 @@ import shlex
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
 from harnessrl.devcluster.apt import install_missing
 from harnessrl.devcluster.build import Binaries, ensure_node_binaries
+from harnessrl.devcluster.containerd import ContainerdError, private_containerd
 from harnessrl.devcluster.node_config import (
     BRIDGE,
     COREDNS_IMAGE,
@@ -268,6 +270,33 @@ def _import_node_images(node: NodeLayout, binaries: Binaries, log: Callable[[str
         if result.returncode != 0:
             raise NodeError(f"node: importing {image.ref} failed: {result.stderr.strip()}")
         log(f"node: imported {image.ref}")
+
+
+@contextmanager
+def image_store(log: Callable[[str], None]) -> Iterator[str]:
+    """The address of a containerd serving the node's image store (``cache``, kept across ``down``), for
+    importing images before any node is up: the running node's containerd if there is one, else one started
+    for the caller alone, on a private socket and state folder, and stopped afterwards.
+
+    Why: the first import of the product's images (``podman save | ctr import``, about 13 GB) took 10 minutes of
+    the first real-node test on a cold CI machine. Imported here, while the control plane still compiles, the
+    node starts with every image present."""
+    from harnessrl.devcluster.build import cache_root
+
+    node = layout(Path("/nonexistent"), "127.0.0.1", cache_root())  # no cluster: its state folder is unused
+    if node.containerd_socket.exists() and _ctr(node, "version", timeout=10).returncode == 0:
+        yield str(node.containerd_socket)
+        return
+    if os.geteuid() != 0:
+        raise NodeError("node image store: needs root (containerd's store belongs to root)")
+    problem = install_missing(PACKAGES, "node image store", log)
+    if problem:
+        raise NodeError(problem)
+    try:
+        with private_containerd(node.containerd_root, "/usr/bin/containerd") as address:
+            yield address
+    except ContainerdError as error:
+        raise NodeError(f"node image store: {error}") from None
 
 
 def _ctr(node: NodeLayout, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -48,6 +48,10 @@ class NodeLayout:
         return self.run / "containerd.sock"
 
     @property
+    def containerd_root(self) -> Path:
+        return self.cache / "containerd"
+
+    @property
     def containerd_config(self) -> Path:
         return self.state / "containerd.toml"
 
@@ -71,7 +75,7 @@ class NodeLayout:
 def containerd_config(layout: NodeLayout) -> str:
     cri = 'plugins."io.containerd.grpc.v1.cri"'
     return f"""version = 2
-root = "{layout.cache / 'containerd'}"
+root = "{layout.containerd_root}"
 state = "{layout.run / 'containerd'}"
 
 [grpc]
