@@ -4,7 +4,8 @@ Claude Code and Codex CLI always stream and always send tools. A continued call 
 through vLLM's render / generate / derender endpoints (``proxy/continuity.py``); streamed, its text reaches the
 harness chunk by chunk through the server's streaming derender, whose tool parser (hermes here) holds back the
 call's markup, and the tool call comes from the whole answer parsed as unstreamed
-(``served_stream.ParsedStream``). The random tiny model is steered through the proxy's sampling override: a
+(``served_stream.ParsedStream``); a continued call with ``tool_choice`` none is answered whole and replayed, its
+text as generated. The random tiny model is steered through the proxy's sampling override: a
 regex (vLLM's ``structured_outputs``) makes every answer a sentence, then a hermes tool call; a fixed seed
 (short prompts only: vLLM 0.32 on CPU kills its engine on a seeded request prefilled in chunks) makes the
 streamed and unstreamed answers comparable token for token.
@@ -69,7 +70,7 @@ def assert_same_capture(unary, streamed) -> None:
     assert without_ids(streamed.response) == without_ids(unary.response)
 
 
-def test_continued_messages_with_tools_stream_text_then_the_tool_call(captured):
+def test_continued_messages_with_tools_stream_text_then_the_tool_call(captured, tiny_model_dir):
     store, proxy = captured
     before = used(proxy)
     finals = {}
@@ -109,6 +110,27 @@ def test_continued_messages_with_tools_stream_text_then_the_tool_call(captured):
     assert without_ids(message.model_dump()) == without_ids(finals[False].model_dump())
     unary, streamed = continued_calls(store, proxy, ["tmsg-False", "tmsg-True"], tokens=None)
     assert_same_capture(unary, streamed)
+
+    # The next streamed call continues it with tool_choice none: not relayed (the parser reads a non-auto
+    # answer whole, served_stream.py) but answered whole and replayed, and the harness gets exactly the text
+    # the model generated (the regex: the sentence, then the call's markup, which hermes leaves as text here)
+    messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": message.content[1].id,
+                                               "content": "ok"}]}]
+    relayed, replayed = streams(proxy, "messages")
+    with c.messages.stream(**kwargs, messages=messages, tool_choice={"type": "none"}) as events:
+        plain = events.get_final_message()
+    assert streams(proxy, "messages") == (relayed, replayed + 1) and used(proxy) - before == 3
+    assert [b.type for b in plain.content] == ["text"] and plain.stop_reason == "end_turn"
+    proxy.flush(60)
+    third = store.read_calls("tmsg-True", 0)[2]
+    context = [*streamed.prompt_token_ids, *streamed.completion_token_ids]
+    assert third.prompt_token_ids[: len(context)] == context  # it continued the streamed call's tokens
+    assert third.finish_reason == "stop" and len(third.logprobs) == len(third.completion_token_ids)
+    from transformers import AutoTokenizer
+
+    generated = AutoTokenizer.from_pretrained(tiny_model_dir).decode(third.completion_token_ids[:-1])  # no stop
+    assert plain.content[0].text == generated == SENTENCE + CALL
 
 
 def test_continued_responses_with_tools_stream_text_then_the_function_call(captured):
