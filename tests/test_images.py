@@ -393,3 +393,37 @@ def test_a_full_disk_is_named_with_the_free_space_and_the_way_to_free_it() -> No
     assert re.search(r"\d+\.\d GiB free at /var/lib/containers", full) and "podman image prune" in full
     other = str(_failed("import of x into containerd", "ctr: content digest sha256:1: not found\n"))
     assert other == "images: import of x into containerd failed: ctr: content digest sha256:1: not found"
+
+
+def test_an_edit_rebuilds_only_the_targets_that_read_it(tmp_path: Path) -> None:
+    """Several targets share one Dockerfile (images/python): a file only one target copies, or an edit to its own
+    stage, changes that target's input digest alone; what their common stages copy changes both."""
+    from harnessrl.devcluster.images import Image, input_digest
+
+    (tmp_path / ".dockerignore").write_text("**\n!core.py\n!examples/\n")
+    (tmp_path / "examples").mkdir()
+    for name in ("core.py", "examples/a.py", "examples/b.py"):
+        (tmp_path / name).write_text(f"# {name}\n")
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text(
+        "ARG BASE=debian\nFROM ${BASE} AS common\nCOPY core.py /core.py\n"
+        "FROM common AS build-a\nRUN echo a\n"
+        "FROM ${BASE} AS a\nCOPY --from=build-a /core.py /core.py\nCOPY examples/a.py \\\n  /app/\n"
+        "FROM common AS b\nCOPY examples/b.py /app/\n"
+    )
+    images = {name: Image(name, f"localhost/{name}:1", "Dockerfile", target=name) for name in ("a", "b")}
+
+    def digests() -> dict[str, str]:
+        return {name: input_digest(image, "base-1", tmp_path) for name, image in images.items()}
+
+    before = digests()
+    assert before["a"] != before["b"]
+    (tmp_path / "examples/a.py").write_text("changed\n")
+    after_a = digests()
+    assert (after_a["a"] != before["a"], after_a["b"] == before["b"]) == (True, True)
+    dockerfile.write_text(dockerfile.read_text().replace("COPY examples/b.py /app/", "COPY examples/b.py /srv/"))
+    after_b = digests()
+    assert (after_b["a"] == after_a["a"], after_b["b"] != after_a["b"]) == (True, True)
+    (tmp_path / "core.py").write_text("changed\n")  # the common stage, through COPY --from for a
+    after_core = digests()
+    assert after_core["a"] != after_b["a"] and after_core["b"] != after_b["b"]

@@ -245,11 +245,42 @@ def _in_excluded_dir(relative: str, pattern: str) -> bool:
     return any(fnmatch.fnmatch(part, name) for part in relative.split("/")[:-1])
 
 
-def copied_sources(dockerfile: Path) -> list[str]:
+_FROM = re.compile(r"^FROM\s+(?:--platform=\S+\s+)?(\S+)(?:\s+AS\s+(\S+))?", re.IGNORECASE)
+
+
+def target_text(text: str, target: str | None) -> str:
+    """The part of a Dockerfile one target's build reads: the lines before the first FROM (global ARGs) and the
+    stages the target stands on (its FROM chain and every COPY --from, transitively), in file order. Several
+    targets share images/python/Dockerfile: an edit to the search example's stage, or a file only it copies,
+    must rebuild that image alone, not the operator and the proxy."""
+    preamble: list[str] = []
+    stages: list[tuple[str, list[str]]] = []  # (name, or its index when unnamed; lower case), its lines
+    for line in re.sub(r"\\\n", " ", text).splitlines():
+        match = _FROM.match(line.strip())
+        if match:
+            stages.append(((match[2] or str(len(stages))).lower(), [line]))
+        elif stages:
+            stages[-1][1].append(line)
+        else:
+            preamble.append(line)
+    by_name = dict(stages)
+    needed: set[str] = set()
+    pending = [(target or stages[-1][0]).lower()]
+    while pending:
+        name = pending.pop()
+        if name in needed or name not in by_name:  # not a stage: a base image
+            continue
+        needed.add(name)
+        lines = by_name[name]
+        pending.append(_FROM.match(lines[0].strip())[1].lower())
+        pending += [found.lower() for line in lines for found in re.findall(r"--from=([^\s,]+)", line)]
+    return "\n".join(preamble + [line for name, lines in stages if name in needed for line in lines])
+
+
+def copied_sources(text: str) -> list[str]:
     """The context paths a Dockerfile's COPY instructions take (COPY --from copies from a stage instead)."""
-    text = re.sub(r"\\\n", " ", dockerfile.read_text())
     sources = []
-    for line in text.splitlines():
+    for line in re.sub(r"\\\n", " ", text).splitlines():
         parts = line.split()
         if parts and parts[0].upper() == "COPY" and not any(p.startswith("--from") for p in parts[1:]):
             sources += [p.rstrip("/") for p in parts[1:-1] if not p.startswith("--")]
@@ -257,13 +288,15 @@ def copied_sources(dockerfile: Path) -> list[str]:
 
 
 def input_digest(image: Image, base_id: str, root: Path | None = None) -> str:
-    """Digest of what the build reads: the Dockerfile, its arguments, the base, and the context files its
-    COPY instructions take (so a change elsewhere in the tree rebuilds nothing)."""
+    """Digest of what the build of ``image`` reads: its arguments, the base, the Dockerfile's stages its target
+    stands on, and the context files their COPY instructions take (so a change elsewhere in the tree, or in
+    another target's stage, rebuilds nothing)."""
     root = root or repo_root()
     digest = hashlib.sha256()
     digest.update(json.dumps([image.dockerfile, image.target, image.args, image.ref, base_id]).encode())
-    digest.update((root / image.dockerfile).read_bytes())
-    sources = copied_sources(root / image.dockerfile)
+    text = target_text((root / image.dockerfile).read_text(), image.target)
+    digest.update(text.encode())
+    sources = copied_sources(text)
     for path in context_files(root):
         relative = path.relative_to(root).as_posix()
         if any(relative == source or relative.startswith(source + "/") for source in sources):
