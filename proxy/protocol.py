@@ -18,7 +18,7 @@ Grammar-constrained chat calls (a forced ``tool_choice``, a JSON ``response_form
 top entries are those of the grammar-masked distribution, the tokens it forbids come back at ``-9999.0`` (-inf,
 clamped), so a position with such an entry shows its whole allowed set, which is stored with the call
 (``Tokens.allowed``) for the learner to score the token over it. Checked on vLLM 0.32
-(``tests/test_proxy_constrained_vllm.py``). A harness that asks for log-probs gets its own request unchanged,
+(``tests/test_proxy_tools_vllm_constrained.py``). A harness that asks for log-probs gets its own request unchanged,
 and its constrained calls no sets (its token strings would change).
 
 What the harness gets back: exactly what it asked for. Token-id arrays it did not request are removed (they

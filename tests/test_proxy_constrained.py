@@ -1,6 +1,6 @@
 """Which chat requests the proxy treats as grammar-constrained, what it adds to them, and how it reads the allowed
 sets back from vLLM's top log-probs (pure functions of ``proxy/protocol.py``; the real vLLM behaviour they rest
-on is checked in ``test_proxy_constrained_vllm.py``)."""
+on is checked in ``test_proxy_tools_vllm_constrained.py``)."""
 
 from __future__ import annotations
 
