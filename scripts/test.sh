@@ -33,8 +33,13 @@ export HARNESSRL_TEST_KUBE_REQUIRED="${HARNESSRL_TEST_KUBE_REQUIRED:-1}"
 scripts/chart-tools.sh || echo "WARNING: no helm or no prometheus; the chart tests will fail" >&2
 # The trace explorer's browser tests drive Debian's Chromium (Playwright with executable_path, never its own
 # browser download); its chart library comes from npm, pinned (an editable install does not run the build hook).
-if [ ! -x /usr/bin/chromium ] || ! command -v npm >/dev/null; then
-  scripts/apt-install.sh chromium npm || echo "WARNING: chromium or npm could not be installed; the UI tests will fail" >&2
+# Only what is missing: Debian's npm conflicts with a Node.js from elsewhere (NodeSource's, which brings its npm).
+ui_packages=()
+[ -x /usr/bin/chromium ] || ui_packages+=(chromium)
+command -v npm >/dev/null || ui_packages+=(npm)
+if [ ${#ui_packages[@]} -gt 0 ]; then
+  scripts/apt-install.sh "${ui_packages[@]}" ||
+    echo "WARNING: ${ui_packages[*]} could not be installed; the UI tests will fail" >&2
 fi
 python src/harnessrl/ui/vendor.py || echo "WARNING: the UI's assets could not be fetched; the UI tests will fail" >&2
 scripts/harness-clis.sh >/dev/null || echo "WARNING: Claude Code / Codex CLI not installed; the harness_cli tests will fail" >&2
