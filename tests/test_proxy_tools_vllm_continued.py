@@ -21,6 +21,9 @@ import pytest
 
 pytest.register_assert_rewrite("proxy_servers", "vllm_fixtures")
 from proxy_servers import metric_value
+from test_harness_clis import sampled_call
+from test_proxy_stream_continued_vllm import continued_calls
+from test_proxy_stream_tools_vllm import streams
 from vllm_fixtures import VllmServer, proxy_in_front
 
 from harnessrl.store import CallStatus
@@ -97,6 +100,41 @@ def test_continued_messages_answer_as_the_first_call_path_with_the_prompt_counte
         assert first.stop_reason == answers[turn].stop_reason
         assert [(b.type, type(getattr(b, "input", None))) for b in first.content] == [
             (b.type, type(getattr(b, "input", None))) for b in answers[turn].content]
+
+
+def test_a_streamed_continued_messages_call_forced_to_any_tool_gets_the_call_generated(captured, tiny_model_dir):
+    """Claude Code's forced call as it sends it: streamed, continued, ``tool_choice`` any (issue 26, item 2: the
+    model generated a complete call, the harness got empty content and end_turn). The call is answered whole and
+    replayed (the parser reads a forced answer whole, ``served_stream.py``); the harness gets one ``tool_use``
+    block, the call the stored completion's tokens spell, and the stored answer is exactly the message it got."""
+    from transformers import AutoTokenizer
+
+    store, proxy = captured
+    c = anthropic.Anthropic(base_url=f"{proxy.url}/rollouts/stream-any/attempts/0", api_key="unused",
+                            max_retries=0, timeout=300)
+    kwargs = {"model": "m", "max_tokens": 256, "system": "you are a coding agent", "tools": TOOLS}
+    messages: list[dict] = [{"role": "user", "content": "fix the failing test"}]
+    (use,) = c.messages.create(**kwargs, messages=messages, tool_choice={"type": "tool", "name": "Read"}).content
+    messages += [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "ok"}]}]
+    used = continuity(proxy.url, "used")
+    relayed, replayed = streams(proxy, "messages")
+    with c.messages.stream(**kwargs, messages=messages, tool_choice={"type": "any"}) as events:
+        seen = [e.type for e in events]
+        message = events.get_final_message()
+    assert continuity(proxy.url, "used") - used == 1
+    assert streams(proxy, "messages") == (relayed, replayed + 1)
+    assert seen.count("content_block_start") == 1 and seen[-1] == "message_stop"
+    (got,) = message.content
+    assert got.type == "tool_use" and got.name in ("Read", "Bash") and message.stop_reason == "tool_use"
+    assert "_raw" not in got.input  # the strict schema's arguments: a JSON object, as generated
+    (call,) = continued_calls(store, proxy, ["stream-any"], tokens=None)
+    assert call.finish_reason == "stop"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert sampled_call(tokenizer, call) == {"name": got.name, "arguments": got.input}
+    assert {k: v for k, v in call.response.items() if v is not None} == message.model_dump(exclude_none=True)
+    assert message.usage.input_tokens == len(call.prompt_token_ids)
+    assert message.usage.output_tokens == len(call.completion_token_ids) == len(call.logprobs)
 
 
 def test_a_continued_chat_answer_holds_no_stop_token_text(captured):
