@@ -288,3 +288,36 @@ def test_interleaved_conversations_merge_into_one_row_each():
         assert result.rows[1].loss_mask.tolist() == [0, 0, 1, 0, 1, 1, 0, 1]
         assert result.stats.dropped == {"duplicate": 1}
         assert result.stats.row_tokens == 15 and result.stats.generated_tokens == 7
+
+
+def test_sub_agents_started_side_by_side_with_one_task_are_rows_of_their_own():
+    """Two sub-agents an agent started at once with the same task (Codex's spawn_agent): their first prompts are
+    equal, so the second looks like a retry of the first and holds it out; once each goes on with its own
+    answer, each is a row that trains its first answer (not a duplicate whose answer is context, mask 0)."""
+    full = [
+        call("a1", 0, [1, 2], [3]),
+        call("c1", 1, [7, 7], [8]),
+        call("a2", 2, [1, 2, 3, 4], [5]),
+        call("d1", 3, [7, 7], [9]),
+        call("c2", 4, [7, 7, 8, 0], [6]),
+        call("d2", 5, [7, 7, 9, 0], [6]),
+        call("a3", 6, [1, 2, 3, 4, 5, 0], [1]),
+    ]
+    deltas = [
+        call("a1", 0, [1, 2], [3]),
+        call("c1", 1, [7, 7], [8]),
+        call("a2", 2, [4], [5], parent="a1"),
+        call("d1", 3, [7, 7], [9]),
+        call("c2", 4, [0], [6], parent="c1"),
+        call("d2", 5, [0], [6], parent="d1"),
+        call("a3", 6, [0], [1], parent="a2"),
+    ]
+    for calls in (full, deltas):
+        result = merge_calls_into_rows(calls)
+        assert [row.call_ids for row in result.rows] == [("a1", "a2", "a3"), ("c1", "c2"), ("d1", "d2")]
+        assert [arrays(row)[:2] for row in result.rows[1:]] == [([7, 7, 8, 0, 6], [0, 0, 1, 0, 1]),
+                                                                 ([7, 7, 9, 0, 6], [0, 0, 1, 0, 1])]
+        assert not result.stats.dropped and result.stats.kept_calls == 7
+    # a retry nobody went on with stays a duplicate
+    result = merge_calls_into_rows(full[:4] + full[6:])
+    assert dict(result.stats.dropped) == {"duplicate": 1} and [r.call_ids for r in result.rows][1] == ("d1",)

@@ -38,13 +38,14 @@ KINDS = ["ok"] * 6 + ["retry", "retry", "error", "aborted", "aborted_seen", "emp
 
 
 @st.composite
-def trajectories(draw) -> list[Sent]:
+def trajectories(draw, start: list[int] | None = None) -> list[Sent]:
+    """One harness's calls; ``start``: its first prompt (else drawn)."""
     vocab = draw(st.sampled_from([3, 20, 50_000]))  # tiny vocabularies make accidental prefix matches likely
 
     def tokens(lo: int, hi: int) -> list[int]:
         return draw(st.lists(st.integers(0, vocab - 1), min_size=lo, max_size=hi))
 
-    history = tokens(1, 6)
+    history = list(start) if start is not None else tokens(1, 6)
     sent: list[Sent] = []
     version = 0
 
@@ -95,9 +96,11 @@ def trajectories(draw) -> list[Sent]:
 @st.composite
 def interleaved_trajectories(draw) -> list[Sent]:
     """Two or three trajectories (an agent and its sub-agents) whose calls alternate in one attempt in a drawn
-    order; their prompts may start with the same tokens (a shared template head)."""
+    order; their prompts may start with the same tokens (a shared template head), or be the same first prompt
+    (sub-agents started side by side with one task: their first calls look like retries of each other)."""
     head = draw(st.lists(st.integers(0, 2), max_size=3))
-    parts = [draw(trajectories()) for _ in range(draw(st.integers(2, 3)))]
+    start = draw(st.one_of(st.none(), st.lists(st.integers(0, 2), min_size=1, max_size=4)))
+    parts = [draw(trajectories(start)) for _ in range(draw(st.integers(2, 3)))]
     order = draw(st.permutations([i for i, part in enumerate(parts) for _ in part]))
     sent: list[Sent] = []
     taken = [0] * len(parts)
@@ -182,7 +185,7 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
             runs[-1].append(s)
         else:
             runs.append([s])
-    kept = []
+    kept, duplicates = [], []
     for i, run in enumerate(runs):
         dropped["duplicate"] += len(run) - 1
         choice = run[-1]
@@ -194,9 +197,10 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
                     choice = member
                     break
         kept.append(choice)
+        duplicates += [member for member in run if member is not choice]
     rows, splits, previous = 0, Counter(), None
     row_splits: list[tuple[str | None, int | None]] = []  # per row: why it began and where it left the last
-    for s in kept:
+    for s in list(kept):
         if previous is None:
             rows += 1
             row_splits.append((None, None))
@@ -217,6 +221,14 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
                     reason = "history_edited"
                 splits[reason] += 1
                 row_splits.append((reason, common))
+                # a duplicate this call continues was a conversation of its own: its row begins with it
+                for member in sorted(duplicates, key=lambda d: d.seq, reverse=True):
+                    head = member.prompt + member.completion
+                    if member.seq < s.seq and s.prompt[: len(head)] == head:
+                        duplicates.remove(member)
+                        dropped["duplicate"] -= 1
+                        kept.insert(kept.index(s), member)
+                        break
         previous = s
     return kept, rows, splits, +dropped, row_splits
 

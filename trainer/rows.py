@@ -33,7 +33,12 @@ How each call is placed (calls are taken in ``seq`` order):
   continues none starts a new one.
 * Retries: a kept call whose full prompt equals the previous kept call's prompt is a duplicate. The later one
   is kept by default ("the last OK one"); if the next kept call extends an earlier duplicate instead, that
-  one is swapped back in. Exactly one call of such a run is kept; the others count as ``duplicate``.
+  one is swapped back in. Exactly one call of such a run is kept; the others count as ``duplicate``, unless
+  a later kept call that starts a new row continues one of them (its prompt begins with that duplicate's
+  prompt + completion, the latest such first): then the "duplicate" was a conversation of its own, e.g. two
+  sub-agents a harness started side by side with the same task (Codex's ``spawn_agent``: their first prompts
+  are equal), and the new row begins with it, kept and trained, instead of holding its completion as
+  context with mask 0. The row's split reason and position stay those of the call that started it.
 * Errored, aborted and empty calls (and calls over the length limits) are dropped and counted, but their
   tokens are still *placed* so that a later call whose parent is a dropped call can be resolved: a dropped
   call that extends the row is appended past its kept content (and trimmed off the emitted row unless a kept
@@ -382,6 +387,7 @@ class _RowBuilder:
         self.placed: dict[str, _Placed] = {}
         self.cur: _Buffer | None = None
         self.rows: list[_Buffer] = []
+        self.retired: list[_Placed] = []  # duplicates dropped as retries, a later row may begin with one
         # (row index, row index) -> (leading tokens known equal, differ right after?, cuts seen of each row)
         self._prefixes: dict[tuple[int, int], tuple[int, bool, int, int]] = {}
 
@@ -461,8 +467,14 @@ class _RowBuilder:
             ):
                 split = SplitReason.NEW_CONVERSATION
             self.stats.splits[split.value] += 1
-            buffer = self._new_row(prompt)
+            revived = self._revived_duplicate(prompt)
+            start = length if revived is None else revived.prompt_end
+            buffer = self._new_row(prompt[:start])
             buffer.split = (split.value, diverge_at)
+            if revived is not None:  # the row begins with the duplicate this call continues
+                self._append_kept(buffer, revived.call, start)
+                self.placed[revived.call.call_id].parent = revived.parent
+                buffer.append(prompt[buffer.length :])
             self.cur = buffer
             self._append_kept(buffer, call, length)
             return
@@ -554,6 +566,22 @@ class _RowBuilder:
                 return True
         return False
 
+    def _revived_duplicate(self, prompt: np.ndarray) -> _Placed | None:
+        """The latest duplicate dropped as a retry whose prompt + completion ``prompt`` begins with: it is taken
+        back from the retired ones and its ``duplicate`` drop uncounted (None: none). Only asked at a split."""
+        for placed in sorted(self.retired, key=lambda p: p.call.seq, reverse=True):
+            full = placed.materialize()
+            if len(full) <= len(prompt) and np.array_equal(prompt[: len(full)], full):
+                self.retired.remove(placed)
+                for buffer in self.rows:
+                    if placed in buffer.alternatives:
+                        buffer.alternatives.remove(placed)
+                self.stats.dropped[DropReason.DUPLICATE.value] -= 1
+                if not self.stats.dropped[DropReason.DUPLICATE.value]:
+                    del self.stats.dropped[DropReason.DUPLICATE.value]
+                return placed
+        return None
+
     def _new_row(self, prompt: TokenIds) -> _Buffer:
         buffer = _Buffer(prompt, len(self.rows))
         self.rows.append(buffer)
@@ -594,11 +622,13 @@ class _RowBuilder:
         """``call`` retries the last kept call (same prompt): keep ``call``, hold the other as an alternative."""
         self.stats.dropped[DropReason.DUPLICATE.value] += 1
         retired = _retire_last_kept(buffer)
+        self.retired.append(retired)
         self._append_kept(buffer, call, prompt_length, buffer.alternatives + [retired])
 
     def _swap_in(self, buffer: _Buffer, alternative: _Placed) -> None:
         """The next call extends an earlier duplicate: make that one the kept call again."""
         retired = _retire_last_kept(buffer)
+        self.retired = [r for r in self.retired if r is not alternative] + [retired]
         pending = [a for a in buffer.alternatives if a is not alternative] + [retired]
         completion = alternative.call.completion_token_ids
         buffer.append(completion)
