@@ -12,7 +12,8 @@ does the ``clis`` fixture, which is instant once they are there). Each runs head
 * against a vLLM server on the tiny model with a 64k context (Claude Code's prompt is about 29k tokens of the
   tiny tokenizer, Codex's 23k) and the tool flags, behind a train-mode proxy. The server pins every tool's
   argument schema (``--tool-strict-level parameter``): a forced call's arguments are valid, so the CLIs run
-  the (read-only) tools they are left with, and Claude Code's Agent tool starts real sub-agents.
+  the (read-only) tools they are left with, and Claude Code's Agent tool and Codex's spawn_agent start real
+  sub-agents.
 
 The random model is steered through the proxy's sampling override, as an RL run on a weak model would be:
 ``STOP`` (a ``logit_bias`` on the stop token: every answer is empty) for a conversation of plain turns, and
@@ -203,12 +204,20 @@ def rows_of(store: TraceStore, rollout: str) -> list[tuple[str, ...]]:
     return [row.call_ids for row in merge_calls_into_rows(store.rollout_calls(rollout, 0)).rows]
 
 
-def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
-    """The tool call a completion's tokens spell (hermes: ``<tool_call>{"name": .., "arguments": ..}</tool_call>``)."""
+def sampled_calls(tokenizer, call: Any) -> list[dict[str, Any]]:
+    """The tool calls a completion's tokens spell (hermes: ``<tool_call>{"name": .., "arguments": ..}</tool_call>``,
+    one or more, a line apart)."""
     ids = call.completion_token_ids[:-1] if call.finish_reason in ("stop", "tool_calls") else call.completion_token_ids
     text = tokenizer.decode(ids, skip_special_tokens=False)
     assert text.startswith("<tool_call>") and text.endswith("</tool_call>"), text
-    return json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+    inner = text.removeprefix("<tool_call>").removesuffix("</tool_call>")
+    return [json.loads(part) for part in inner.split("</tool_call>\n<tool_call>")]
+
+
+def sampled_call(tokenizer, call: Any) -> dict[str, Any]:
+    """The one tool call a completion's tokens spell."""
+    (one,) = sampled_calls(tokenizer, call)
+    return one
 
 
 # ----------------------------------------------------------------------------------------------------- Codex
@@ -244,6 +253,34 @@ unified_exec = false
     return box, {"CODEX_HOME": str(config.parent), "HARNESSRL_API_KEY": "unused"}
 
 
+def run_until(process: subprocess.Popen[str], done: Any, what: str) -> None:
+    """Let a started CLI run until ``done()`` (it goes on for ever when every answer calls a tool), then stop it
+    with its process group."""
+    try:
+        deadline = time.monotonic() + CLI_TIMEOUT_S
+        while not done():
+            assert process.poll() is None, process.stdout.read()[-3000:] if process.stdout else ""
+            assert time.monotonic() < deadline, what
+            time.sleep(0.5)
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+
+
+def codex_function_calls(box: Sandbox) -> list[list[dict[str, Any]]]:
+    """The function calls Codex recorded, per thread (its session's and each sub-agent's rollout file), in order."""
+    return [[item["payload"] for item in map(json.loads, filter(str.strip, path.read_text().splitlines()))
+             if item.get("type") == "response_item" and item["payload"].get("type") == "function_call"]
+            for path in sorted(box.home.rglob("rollout-*.jsonl"))]
+
+
+def as_called(got: dict[str, Any]) -> dict[str, Any]:
+    """A function call Codex recorded as the chat call the model generated (a namespace's function is
+    ``<namespace>.<name>``, ``responses_api.py``)."""
+    name = f"{got['namespace']}.{got['name']}" if got.get("namespace") else got["name"]
+    return {"name": name, "arguments": json.loads(got["arguments"])}
+
+
 @pytest.mark.vllm
 def test_codex_conversation_resumed_is_one_row(clis, cli_server, tokenizer, tmp_path, sandboxes):
     """``codex exec`` then ``codex exec resume --last``: every call is served as a chat completion (Codex's
@@ -274,22 +311,13 @@ def test_codex_forced_tool_calls_are_trainable_and_what_it_received(clis, cli_se
     with proxy_in_front(cli_server, tmp_path, "codex", forced, **KEEPALIVE) as (store, proxy):
         box, env = codex_sandbox(clis, sandboxes, proxy, "codex-tools", features="multi_agent = false\ngoals = false")
         process = box.start("codex", ["exec", "--skip-git-repo-check", TASK], env)
-        try:
-            deadline = time.monotonic() + CLI_TIMEOUT_S
-            while (metric_value(metrics(proxy), "harnessrl_proxy_calls_total", route="responses", status="ok") or 0) < 4:
-                assert process.poll() is None, process.stdout.read()[-3000:] if process.stdout else ""
-                assert time.monotonic() < deadline, "Codex made fewer than 4 calls in time"
-                time.sleep(0.5)
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(60)
+        run_until(process, lambda: (metric_value(metrics(proxy), "harnessrl_proxy_calls_total", route="responses",
+                                                 status="ok") or 0) >= 4, "Codex made fewer than 4 calls in time")
         done = check_trainable(proxy, store, "codex-tools", "responses")
-        received = [item["payload"] for item in box.transcripts("rollout-*.jsonl")
-                    if item.get("type") == "response_item" and item["payload"].get("type") == "function_call"]
+        (received,) = codex_function_calls(box)
         assert len(received) >= len(done) - 1 >= 3  # the last answer may not have reached the transcript
         for call, got in zip(done, received, strict=False):
-            name = f"{got['namespace']}.{got['name']}" if got.get("namespace") else got["name"]
-            assert sampled_call(tokenizer, call) == {"name": name, "arguments": json.loads(got["arguments"])}
+            assert sampled_call(tokenizer, call) == as_called(got)
 
 
 # ----------------------------------------------------------------------------------------------- Claude Code
@@ -438,3 +466,56 @@ def test_both_clis_read_the_keepalives_of_a_slow_generation(clis, tmp_path, sand
         upstream.stop()
         loops.close()
         store.close()
+
+
+
+def spawning(tokenizer, message: str) -> dict[str, Any]:
+    """Every answer is two calls of Codex's ``spawn_agent`` (in its namespace ``multi_agent_v1``: the chat function
+    ``multi_agent_v1.spawn_agent`` through the proxy) with ``message`` as their task: a random model never writes
+    the message the tool needs (none of its fields is required, so a forced call's arguments end at ``{}``).
+    Under ``tool_choice`` auto the server's grammar is its tool-call grammar OR the request's structured output
+    (vLLM's ``_apply_structural_tag``), here a regex of the hermes calls with ``arguments`` first: it parts from
+    every call of the tool grammar (``{"name": ...`` first) at its first key, where a bias on that key's first
+    token picks it (and on ``{`` and ``"`` before it, which the tool grammar may replace by white space); the
+    stop token's bias ends the answer there."""
+    call = "<tool_call>" + json.dumps({"arguments": {"message": message}, "name": "multi_agent_v1.spawn_agent"})
+    text = f"{call}</tool_call>\n{call}</tool_call>"
+    regex = "".join("\\" + ch if ch in ".{}[]()*+?|^$\\" else ch for ch in text)
+    ours, theirs = tokenizer.encode('<tool_call>{"arguments"'), tokenizer.encode('<tool_call>{"name"')
+    first = next(a for a, b in zip(ours, theirs, strict=False) if a != b)
+    bias = {str(t): 100 for t in (first, tokenizer.encode("{")[0], tokenizer.encode('"')[0],
+                                   tokenizer.convert_tokens_to_ids("<|im_end|>"))}
+    return {"temperature": 1.0, "structured_outputs": {"regex": regex}, "logit_bias": bias}
+
+
+@pytest.mark.vllm
+def test_codex_subagents_are_rows_of_their_own(clis, cli_server, tokenizer, tmp_path, sandboxes):
+    """Codex's multi_agent tools: the model calls ``spawn_agent`` twice on every turn (``spawning``), one task for
+    all, and Codex runs each sub-agent as a thread of its own, at once, through the same provider, so in the
+    same rollout (two at most: ``agents.max_threads``; at the default depth limit a sub-agent has no multi_agent
+    tools, so its own spawn_agent calls are answered "unsupported call" and it goes on). The two sub-agents
+    start together with equal first prompts (their task, their tools), so the second looks like a retry of the
+    first (``trainer/rows.py``). Stopped once each thread recorded two turns: every call is stored with its
+    log-probs, the calls are three training rows, each exactly one thread's calls (matched by the call ids
+    Codex recorded), and every completion spells the calls its thread recorded."""
+    with proxy_in_front(cli_server, tmp_path, "codex", spawning(tokenizer, "read calc.py"), **KEEPALIVE) as (
+            store, proxy):
+        box, env = codex_sandbox(clis, sandboxes, proxy, "codex-agents", features="goals = false")
+        config = box.home / ".codex" / "config.toml"
+        config.write_text(config.read_text() + "[agents]\nmax_threads = 2\n")
+        process = box.start("codex", ["exec", "--skip-git-repo-check", TASK], env)
+        run_until(process, lambda: sum(len(t) >= 4 for t in codex_function_calls(box)) >= 3,
+                  "Codex's session and two sub-agents did not each record two turns in time")
+        threads = codex_function_calls(box)
+        assert len(threads) == 3
+        done = check_trainable(proxy, store, "codex-agents", "responses", conversations=3)
+        call_of = {item["call_id"]: c for c in done for item in c.response["output"] if item["type"] == "function_call"}
+        rows = {row[0]: row for row in rows_of(store, "codex-agents")}
+        for thread in threads:
+            turns = tuple(dict.fromkeys(call_of[got["call_id"]].call_id for got in thread))
+            # the row is the thread's calls (then any answer it had not recorded when Codex was stopped)
+            assert rows[turns[0]][: len(turns)] == turns
+            for call in {call_of[got["call_id"]].call_id: call_of[got["call_id"]] for got in thread}.values():
+                assert sampled_calls(tokenizer, call) == [
+                    as_called(got) for got in thread if call_of[got["call_id"]] is call]
+        assert [got["name"] for got in threads[0]][:2] == ["spawn_agent"] * 2  # the session's own, namespaced
