@@ -108,8 +108,12 @@ def _run(command: list[str], log_path: Path | None = None, **kwargs) -> subproce
         return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-# What building needs (installed when missing): podman builds, debootstrap makes the local base.
-TOOLS = {"/usr/bin/podman": "podman", "/usr/sbin/debootstrap": "debootstrap"}
+# What building needs (installed when missing): podman builds, debootstrap makes the local base, and runc runs
+# the builds' RUN steps. Not podman's default crun: on a host whose cgroups are mixed, v1 controllers with one
+# (hugetlb) left on the v2 hierarchy, crun 1.8 refuses every container ("cgroups in hybrid mode not supported,
+# drop all controllers from cgroupv2") while runc runs them; runc is also what the real node's containerd uses.
+TOOLS = {"/usr/bin/podman": "podman", "/usr/sbin/debootstrap": "debootstrap", "/usr/sbin/runc": "runc"}
+BUILD_RUNTIME = "runc"
 
 
 def _podman(log: Callable[[str], None] = print) -> str:
@@ -361,7 +365,8 @@ def build(image: Image, root: Path | None = None, log: Callable[[str], None] = p
     root = root or repo_root()
     log(f"images: building {image.ref} from {image.dockerfile} ...")
     log_path = images_dir() / f"build-{image.name}.log"
-    command = [podman, "build", "--network", "host", "--layers", "-f", image.dockerfile, "-t", image.ref]
+    command = [podman, "build", "--runtime", BUILD_RUNTIME, "--network", "host", "--layers", "-f",
+               image.dockerfile, "-t", image.ref]
     for host_file in ("/etc/ssl/certs/ca-certificates.crt", "/etc/pip.conf"):
         if Path(host_file).exists():  # the egress CA for pip and apt, mounted for the build only
             command += ["-v", f"{host_file}:{host_file}:ro"]
