@@ -118,10 +118,13 @@ class LastCall:
 
     def supersedes(self, older: LastCall) -> bool:
         """Whether this call continues ``older``'s conversation, so ``older`` can never be extended again
-        by a later call that this one could not serve as well."""
+        by a later call that this one could not serve as well. A chat call that got no answer (errored,
+        aborted: it keeps its request's messages, but has no reply to be extended) supersedes nothing: its
+        retry, the same messages (the SDK's after a timeout, or the harness's), must still continue the call
+        it extended, or the retry's prompt is rendered afresh and its conversation splits into two rows."""
         if self.messages is None or older.messages is None:
             return self.messages is None and older.messages is None
-        return older.extended_by(self.messages)
+        return self.status is CallStatus.OK and older.extended_by(self.messages)
 
     @property
     def tokens(self) -> int:

@@ -11,6 +11,7 @@ The real ``anthropic`` and ``openai`` clients read the streams, which proves the
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -208,3 +209,34 @@ def test_a_continued_stream_sends_keepalives_until_its_first_token(vllm_server, 
         calls = store.read_calls("keepalive", 0)
         assert [c.status for c in calls] == [CallStatus.OK] * 4
         assert all(len(c.completion_token_ids) == len(c.logprobs) == 8 for c in calls)
+
+
+def test_the_retry_of_a_timed_out_chat_call_continues_the_tokens_it_extended(captured):
+    """The openai SDK retries a call that timed out: the aborted call has no answer to be continued, so it must
+    leave the call it extended to its retry (``LastCall.supersedes``), which then continues that call's exact
+    tokens, and the conversation stays one training row (before, the retry's prompt was rendered afresh)."""
+    from harnessrl.trainer.rows import merge_calls_into_rows
+
+    store, proxy = captured
+    c = openai.OpenAI(base_url=f"{proxy.url}/rollouts/retried/attempts/0/v1", api_key="unused", max_retries=0,
+                      timeout=120)
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
+    first = c.chat.completions.create(model="m", messages=messages, max_tokens=8)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": NEXT}]
+    before = used(proxy)
+    with pytest.raises(openai.APITimeoutError):  # ignore_eos: 4,000 tokens take far longer
+        c.with_options(timeout=0.5).chat.completions.create(model="m", messages=messages, max_tokens=4000)
+    deadline = time.monotonic() + 60
+    while not metric_value(httpx.get(f"{proxy.url}/metrics").text, "harnessrl_proxy_calls_total", route="chat",
+                           status="aborted"):  # captured, so remembered before the retry is planned
+        assert time.monotonic() < deadline, "the timed-out call was not captured as aborted"
+        time.sleep(0.1)
+    c.chat.completions.create(model="m", messages=messages, max_tokens=8)
+    assert used(proxy) - before == 2  # the aborted call and its retry both continued the first call
+    proxy.flush(60)
+    calls = store.read_calls("retried", 0)
+    assert [call.status for call in calls] == [CallStatus.OK, CallStatus.ABORTED, CallStatus.OK]
+    context = [*calls[0].prompt_token_ids, *calls[0].completion_token_ids]
+    assert calls[2].prompt_token_ids[: len(context)] == context
+    (row,) = merge_calls_into_rows(store.rollout_calls("retried", 0)).rows
+    assert row.call_ids == (calls[0].call_id, calls[2].call_id)

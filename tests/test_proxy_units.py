@@ -335,6 +335,25 @@ def test_parent_is_the_recent_call_the_messages_extend_longest_and_extended_call
     assert b1.call_id not in {c.call_id for c in ledger.recent_calls(key)}
 
 
+def test_a_call_that_got_no_answer_leaves_its_parent_for_the_retry():
+    """A chat call that errored or was aborted (the harness timed out, the SDK retries) extends its parent but
+    can never be extended itself (it has no reply): its retry, the same messages, must still continue the
+    parent's tokens, so it supersedes nothing; the answered retry then supersedes the parent."""
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    key = ("r", 0)
+    a = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
+    parent = chat_record(0, a, "A1")
+    ledger.remember(key, parent)
+    messages = [*a, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "obs"}]
+    for seq, status in enumerate((CallStatus.ABORTED, CallStatus.ERROR), start=1):
+        failed = chat_record(seq, messages, "A2")
+        failed.status, failed.response = status, None
+        ledger.remember(key, failed)
+        assert choose_parent(ledger.recent_calls(key), messages).call_id == parent.call_id
+    ledger.remember(key, chat_record(3, messages, "A2"))
+    assert parent.call_id not in {c.call_id for c in ledger.recent_calls(key)}
+
+
 def test_ledger_bounds_rollout_counters():
     ledger = RolloutLedger(max_rollouts=2, max_tokens=100)
     for name in "abc":
