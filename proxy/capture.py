@@ -198,10 +198,14 @@ class RolloutLedger:
     ) -> None:
         """Add ``record`` to the attempt's recent calls (``rendered_prompt``: when its prompt is not the chat
         template's rendering, i.e. it was sent with token continuity). The calls it extends (their messages
-        + reply begin its messages; for calls without messages, any such call) are superseded and dropped.
+        + reply begin its messages; for calls without messages, any such call) are superseded and dropped. A
+        chat call with no reply (no answer) is not added: it could never be extended, and it must neither
+        supersede the call its retry continues (``LastCall.supersedes``) nor take a conversation's place.
         ``chat``: the chat messages and reply of a call served as a chat completion on another route;
         ``packed``: as for ``LastCall.of``."""
         last = LastCall.of(record, rendered_prompt, chat, packed)
+        if last.messages is not None and last.reply is None:
+            return  # a chat call with no answer (errored, aborted) is never extended: nothing to remember
         kept = []
         for call in self._recent.pop(key, ()):
             if last.supersedes(call):

@@ -338,7 +338,8 @@ def test_parent_is_the_recent_call_the_messages_extend_longest_and_extended_call
 def test_a_call_that_got_no_answer_leaves_its_parent_for_the_retry():
     """A chat call that errored or was aborted (the harness timed out, the SDK retries) extends its parent but
     can never be extended itself (it has no reply): its retry, the same messages, must still continue the
-    parent's tokens, so it supersedes nothing; the answered retry then supersedes the parent."""
+    parent's tokens, so it supersedes nothing, nor takes a conversation's place among the recent calls; the
+    answered retry then supersedes the parent."""
     ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
     key = ("r", 0)
     a = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
@@ -349,9 +350,11 @@ def test_a_call_that_got_no_answer_leaves_its_parent_for_the_retry():
         failed = chat_record(seq, messages, "A2")
         failed.status, failed.response = status, None
         ledger.remember(key, failed)
+        assert [c.call_id for c in ledger.recent_calls(key)] == [parent.call_id]
         assert choose_parent(ledger.recent_calls(key), messages).call_id == parent.call_id
-    ledger.remember(key, chat_record(3, messages, "A2"))
-    assert parent.call_id not in {c.call_id for c in ledger.recent_calls(key)}
+    retry = chat_record(3, messages, "A2")
+    ledger.remember(key, retry)
+    assert [c.call_id for c in ledger.recent_calls(key)] == [retry.call_id]
 
 
 def test_ledger_bounds_rollout_counters():
