@@ -12,11 +12,13 @@ ids and log-probs (the same calls sent directly with the fields the proxy adds) 
 CPU milliseconds per call of each process (client, upstream, the process in the middle, PostgreSQL) at
 concurrency 64, which is what bounds throughput when the 2 cores are shared, for four paths taking turns in
 blocks: direct, a bare pass-through (``relay.py``), the proxy, and Agent Lightning 1.0's gateway where a
-Python with ``agentlightning`` is given or found (``--agl-python``, below); whether every proxied
+Python with ``agentlightning`` is given or found (``--agl-python``, below), and the proxy's CPU split into
+its event loop's (main thread) and its other threads' (the trace writer); whether every proxied
 call was stored; the raw PostgreSQL ceiling (COPY of the same rows, already encoded, from one client, into a
 table like ``llm_calls``, in the binary and the text format; the faster counts) and the proxy's capture path
 (prepare + write, no HTTP) as a fraction of it; the proxy's RSS after 1k and 20k calls. The last line is for
-scripts: ``proxy_cpu_ms_per_call=... passthrough_cpu_ms_per_call=...`` (``agent_lightning_cpu_ms_per_call``
+scripts: ``proxy_cpu_ms_per_call=... passthrough_cpu_ms_per_call=... proxy_loop_cpu_ms_per_call=...``
+(``agent_lightning_cpu_ms_per_call``
 too when measured).
 
 Targets (issue 3): proxied throughput >= 0.8x direct at concurrency 64; p50 added latency <= 1 ms at
@@ -60,13 +62,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by these processes (those that exited count as 0)."""
+def cpu_s(pids: list[int], main_thread: bool = False) -> float:
+    """User + system CPU seconds used so far by these processes (those that exited count as 0); with
+    ``main_thread``, by their main threads only (a Python process's first thread runs its event loop)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
     for pid in pids:
+        stat = f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat"
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / tick
@@ -94,6 +98,7 @@ class CpuShare:
     upstream: float
     proxy: float
     postgres: float
+    proxy_loop: float  # of ``proxy``, its main thread's (the event loop: HTTP, parsing, preparing captures)
 
 
 class CpuMeter:
@@ -103,15 +108,17 @@ class CpuMeter:
         middle = [] if proxy is None else [proxy]
         self.groups = {"client": lambda: [os.getpid()], "upstream": lambda: [upstream],
                        "proxy": lambda: middle, "postgres": postgres_pids}  # fmt: skip
-        self.used = dict.fromkeys(self.groups, 0.0)
+        self.used = dict.fromkeys([*self.groups, "proxy_loop"], 0.0)
         self.calls = 0
 
     def measure(self) -> dict[str, float]:
-        return {name: cpu_s(pids()) for name, pids in self.groups.items()}
+        used = {name: cpu_s(pids()) for name, pids in self.groups.items()}
+        used["proxy_loop"] = cpu_s(self.groups["proxy"](), main_thread=True)
+        return used
 
     def add(self, before: dict[str, float], calls: int) -> None:
         after = self.measure()
-        for name in self.groups:
+        for name in self.used:
             self.used[name] += after[name] - before[name]
         self.calls += calls
 
@@ -555,6 +562,11 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
         f"own {p.proxy:.3f} ms per call is {p.proxy / base:.1f}x what client and upstream spend together and "
         f"{p.proxy / r.proxy:.1f}x a bare pass-through's {r.proxy:.3f} ms"
     )
+    print(
+        f"the proxy's {p.proxy:.3f} ms by thread: its event loop {p.proxy_loop:.3f} ms (HTTP in and out, "
+        f"parsing, preparing each capture; the pass-through's whole {r.proxy:.3f} ms is such a loop), its "
+        f"other threads {p.proxy - p.proxy_loop:.3f} ms (the trace writer: writing to PostgreSQL)"
+    )
     stored = stored_calls(pg_url)
     print(
         f"\nproxied calls sent: {sent}; stored: {stored} ({'all' if stored == sent else 'MISSING SOME'}); "
@@ -580,7 +592,10 @@ async def run(args: argparse.Namespace, pg_url: str, tmp: Path) -> None:
             f"{end_to_end:,.0f} calls/s = {end_to_end / ceiling:.2f}x the ceiling"
         )
     print("proxy RSS: " + ", ".join(f"after {k} calls {v:.0f} MiB" for k, v in rss.items()))
-    last = f"proxy_cpu_ms_per_call={p.proxy:.3f} passthrough_cpu_ms_per_call={r.proxy:.3f}"
+    last = (
+        f"proxy_cpu_ms_per_call={p.proxy:.3f} passthrough_cpu_ms_per_call={r.proxy:.3f} "
+        f"proxy_loop_cpu_ms_per_call={p.proxy_loop:.3f}"
+    )
     if "agent-lightning" in cpu:
         last += f" agent_lightning_cpu_ms_per_call={cpu['agent-lightning'].proxy:.3f}"
     print(last)
