@@ -16,7 +16,7 @@ import click
 from harnessrl.devcluster.build import BuildError, ensure_binaries, ensure_node_binaries
 from harnessrl.devcluster.cluster import Cluster, ClusterError, start_cluster
 from harnessrl.devcluster.images import ImageError, ensure_images, import_images
-from harnessrl.devcluster.node import NodeError, image_store, preflight
+from harnessrl.devcluster.node import NodeError, image_store, preflight, running_image_store
 
 
 def _dir() -> Path:
@@ -88,12 +88,7 @@ def images(names: tuple[str, ...], node_store: bool) -> None:
     for item in built:
         took = f"built in {item.seconds:.0f} s" if item.seconds else "cached"
         click.echo(f"{item.image.ref}: {item.size_bytes / 2**20:.0f} MiB ({took})")
-    directory = _dir()
-    node_up = False
-    if (directory / "cluster.json").exists():
-        cluster = Cluster.load(directory)
-        node_up = bool(cluster.node and cluster.running().get("containerd"))
-    if node_up or node_store:
+    if node_store or running_image_store():
         with image_store(_say) as address:
             import_images("ctr", address, built=built, log=_say)
 

@@ -42,7 +42,7 @@ def private_containerd(root: Path, binary: str = "containerd") -> Iterator[str]:
                                       stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S
-            while not _answers(address):
+            while not answers(address):
                 if server.poll() is not None or time.monotonic() > deadline:
                     tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
                     raise ContainerdError(f"containerd on {root} did not start: {tail[0][:300]}")
@@ -57,7 +57,11 @@ def private_containerd(root: Path, binary: str = "containerd") -> Iterator[str]:
                 server.wait()
 
 
-def _answers(address: str) -> bool:
+def answers(address: str) -> bool:
+    """Whether a containerd serves on ``address`` (a socket path) and answers a version request."""
     if not Path(address).exists():
         return False
-    return subprocess.run(["ctr", "--address", address, "version"], capture_output=True, timeout=10).returncode == 0
+    try:
+        return subprocess.run(["ctr", "--address", address, "version"], capture_output=True, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:  # a containerd still starting, or wedged: not serving
+        return False

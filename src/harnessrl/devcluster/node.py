@@ -37,8 +37,8 @@ from pathlib import Path
 import yaml
 
 from harnessrl.devcluster.apt import install_missing
-from harnessrl.devcluster.build import Binaries, ensure_node_binaries
-from harnessrl.devcluster.containerd import ContainerdError, private_containerd
+from harnessrl.devcluster.build import Binaries, cache_root, ensure_node_binaries
+from harnessrl.devcluster.containerd import ContainerdError, answers, private_containerd
 from harnessrl.devcluster.node_config import (
     BRIDGE,
     COREDNS_IMAGE,
@@ -145,7 +145,7 @@ def start_node(cluster, log: Callable[[str], None]) -> NodeLayout:
         cluster,
         "containerd",
         ["--config", str(node.containerd_config)],
-        lambda: node.containerd_socket.exists() and _ctr(node, "version").returncode == 0,
+        lambda: answers(str(node.containerd_socket)),
         node.logs,
         attached=cluster.attached,
         binary=Path("/usr/bin/containerd"),
@@ -272,6 +272,16 @@ def _import_node_images(node: NodeLayout, binaries: Binaries, log: Callable[[str
         log(f"node: imported {image.ref}")
 
 
+def _store_layout() -> NodeLayout:
+    return layout(Path("/nonexistent"), "127.0.0.1", cache_root())  # no cluster: its state folder is unused
+
+
+def running_image_store() -> str | None:
+    """The socket of the real node's containerd when one is up and answers, else None."""
+    socket = str(_store_layout().containerd_socket)
+    return socket if answers(socket) else None
+
+
 @contextmanager
 def image_store(log: Callable[[str], None]) -> Iterator[str]:
     """The address of a containerd serving the node's image store (``cache``, kept across ``down``), for
@@ -281,12 +291,11 @@ def image_store(log: Callable[[str], None]) -> Iterator[str]:
     Why: the first import of the product's images (``podman save | ctr import``, about 13 GB) took 10 minutes of
     the first real-node test on a cold CI machine. Imported here, while the control plane still compiles, the
     node starts with every image present."""
-    from harnessrl.devcluster.build import cache_root
-
-    node = layout(Path("/nonexistent"), "127.0.0.1", cache_root())  # no cluster: its state folder is unused
-    if node.containerd_socket.exists() and _ctr(node, "version", timeout=10).returncode == 0:
-        yield str(node.containerd_socket)
+    running = running_image_store()
+    if running:
+        yield running
         return
+    node = _store_layout()
     if os.geteuid() != 0:
         raise NodeError("node image store: needs root (containerd's store belongs to root)")
     problem = install_missing(PACKAGES, "node image store", log)
@@ -395,7 +404,7 @@ def _drain(cluster, node: NodeLayout, timeout: float = 60) -> None:
 
 
 def _remove_containers(node: NodeLayout) -> list[str]:
-    if not node.containerd_socket.exists() or _ctr(node, "version", timeout=10).returncode != 0:
+    if not answers(str(node.containerd_socket)):
         return []
     forced = []
     for task in _ctr(node, "tasks", "ls", "-q").stdout.split():
