@@ -176,3 +176,31 @@ def test_postgres_copy_skips_a_call_another_writer_stored_in_between(
             copy_insert(conn, rows)
         with store._writer.begin() as conn:
             assert copy_insert(conn, rows, conflict_safe=True) == {p.record.call_id for p, _ in rows[2:]}
+
+
+def test_the_writer_hashes_each_shared_prefix_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Choosing a call's anchor and encoding against it both ask whether the prompt begins with the anchor's
+    prompt + completion (a blake2b of that prefix); the writer asks the hash once per call. The rows stored
+    are the same deltas either way (each call read back exactly)."""
+    from synthetic_calls import chat_trajectory
+
+    from harnessrl.store import TraceStore, delta
+    from harnessrl.store.call_writer import prepare_batch
+
+    calls = chat_trajectory("once", 5, system_tokens=40, observation_tokens=10, completion_tokens=8)
+    prepared = list(prepare_batch(calls).values())  # prepared first: describe() hashes each own context
+    hashed: list[int] = []
+    digest = delta.tokens_digest
+
+    def counted(token_bytes: bytes) -> bytes:
+        hashed.append(len(token_bytes))
+        return digest(token_bytes)
+
+    monkeypatch.setattr(delta, "tokens_digest", counted)
+    with TraceStore.connect(f"sqlite:///{tmp_path}/store.db") as store:
+        store.upgrade()
+        assert store.add_calls(prepared) == 5
+        assert len(hashed) == 4  # the four calls with a predecessor, once each (was twice)
+        monkeypatch.undo()
+        assert store.read_calls("once", 0) == calls
+        assert all(p.encoded is not None and p.encoded.base_call_id for p in prepared[1:])

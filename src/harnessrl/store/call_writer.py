@@ -140,7 +140,7 @@ def _parents(
         anchor = None if key is None else anchor_at(key)
         if anchor is not None:
             chosen[p.record.call_id] = anchor
-        if key is not None and (anchor is None or not delta.extends(p.prompt_bytes, anchor)):
+        if key is not None and (anchor is None or not p.extends(anchor)):
             searching.append(p)
     if not searching:
         return chosen
@@ -155,7 +155,7 @@ def _parents(
         best, best_len = None, 0
         for key in _earlier_keys(p):
             anchor = anchor_at(key)
-            n = 0 if anchor is None else delta.extends(p.prompt_bytes, anchor)
+            n = 0 if anchor is None else p.extends(anchor)
             if n > best_len:
                 best, best_len = anchor, n
         if best is not None:

@@ -210,15 +210,17 @@ def encode(
     request: dict[str, Any],
     anchor: Anchor | None,
     input_digests: list[bytes] | None = None,
+    extended: int | None = None,
 ) -> Encoded:
     """Encode one call against its predecessor's anchor (or in full when there is none or nothing matches).
 
-    ``input_digests``: this call's message prefix digests from ``describe``, if already computed."""
+    ``input_digests``: this call's message prefix digests from ``describe``, if already computed.
+    ``extended``: ``extends(prompt_bytes, anchor)``, if already computed."""
     offset = 0
     reused = 0
     stored_request = request
     if anchor is not None:
-        offset = extends(prompt_bytes, anchor)
+        offset = extends(prompt_bytes, anchor) if extended is None else extended
         request_in = request_input(request)
         if request_in is not None:
             reused = _reused_input(request_in, anchor, input_digests)
