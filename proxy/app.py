@@ -174,6 +174,7 @@ class Exchange:
     chat_messages: list[Any] | None = None  # a call served as a chat completion: the chat messages it amounts to
     answer_as: Any = None  # such a call: its translation from the chat completion (the route's ``converter``)
     live: served_stream.ServedStream | served_stream.ParsedStream | None = None  # such a call streamed while generated (``served_stream.py``)
+    parent: str = ""  # token continuity: the id of the call it continues (``RolloutLedger.remember``)
 
 
 class CaptureProxy:
@@ -386,7 +387,7 @@ class CaptureProxy:
             reply = wire(x.route).chat_reply(response)
             chat = None if reply is None else (x.chat_messages, reply)
         item = CallItem(record, size=len(x.payload), digests=self.digests)
-        self.ledger.remember(who.key, record, x.rendered, chat, item.packed)
+        self.ledger.remember(who.key, record, x.rendered, chat, item.packed, x.parent)
         self.writer.put(item)
         asyncio.get_running_loop().call_soon(item.prepare)  # once the answer is on its way (see CallItem)
         self.metrics.calls.labels(x.route, status.value).inc()
@@ -454,6 +455,7 @@ class CaptureProxy:
                         x = Exchange(
                             route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt, None if chat_body is None else chat_body["messages"], answer_as,
+                            parent=plan.parent_call_id,
                         )  # fmt: skip
                         if chat_body is not None and streams and plan.stream:  # through /v1/completions
                             x.live = served_stream.ServedStream(plan.convert_chunk, answer_as,

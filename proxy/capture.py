@@ -10,7 +10,11 @@ The ledger keeps, per live rollout attempt, the next sequence number and slim su
 (token ids as compact int32 arrays, messages and reply) for token continuity (``continuity.py``): the call a
 new one extends is chosen among them, so two conversations interleaved in one attempt (an agent and its
 sub-agent) each continue their own. A call that another one extended is superseded and dropped, so a linear
-agent loop holds one call per attempt, and at most ``RECENT_PER_ATTEMPT`` are kept (oldest out). Both maps are
+agent loop holds one call per attempt, and at most ``RECENT_PER_ATTEMPT`` are kept (oldest out). A call sent
+with token continuity still remembers the call it continued (``ContinuedFrom``: a few numbers, since that
+call's tokens and messages begin its own), so that a harness re-sending a call it already got an answer for
+(its SDK timed out after the answer came, or the harness sends it again) continues that same call as the
+answered one did, instead of being rendered afresh and splitting its conversation. Both maps are
 bounded (least recently used first out): the counters by count, the recent calls by the tokens they hold. A
 counter that fell out would restart numbering, so its bound is large (``HARNESSRL_LIVE_ROLLOUTS``).
 
@@ -62,6 +66,30 @@ def new_call_id() -> str:
 
 
 @dataclass(frozen=True)
+class ContinuedFrom:
+    """The call a continued call was sent on (its parent), kept by that call once it superseded it: the
+    parent's tokens are the first ones of the continued call's prompt (its prompt, then its completion) and
+    of its rendering (the parent's rendering ``A`` begins ``F``, checked when the call was planned), and its
+    messages are the continued call's first ones, so lengths and the parent's reply are all it takes."""
+
+    call_id: str
+    seq: int
+    route: Route
+    messages: int  # how many of the continued call's messages were the parent's
+    reply: dict[str, Any]
+    prompt: int  # the parent's prompt length
+    completion: int  # ... completion length
+    rendered: int  # ... rendering's length
+
+    @classmethod
+    def of(cls, parent: LastCall) -> ContinuedFrom | None:
+        if parent.messages is None or parent.reply is None:
+            return None
+        return cls(parent.call_id, parent.seq, parent.route, len(parent.messages), parent.reply,
+                   len(parent.prompt_token_ids), len(parent.completion_token_ids), len(parent.rendered_prompt))
+
+
+@dataclass(frozen=True)
 class LastCall:
     """What a later call needs to know about the attempt's previous one."""
 
@@ -74,6 +102,7 @@ class LastCall:
     rendered_prompt: array  # int32, the chat template's rendering of ``messages`` (continuity.py's "A")
     messages: list[Any] | None  # the chat request's messages, as the harness sent them
     reply: dict[str, Any] | None  # the assistant message of choice 0
+    continued: ContinuedFrom | None = None  # the call it was sent on with token continuity, if any
 
     @classmethod
     def of(
@@ -82,11 +111,13 @@ class LastCall:
         rendered_prompt: list[int] | None = None,
         chat: tuple[list[Any], dict[str, Any]] | None = None,
         packed: tuple[bytes, bytes] | None = None,
+        continued: ContinuedFrom | None = None,
     ) -> LastCall:
         """``chat``: for a call on another route that was served as a chat completion (Messages, Responses),
         the chat messages and reply it amounts to, so a later call can continue it like a chat call.
         ``packed``: the record's prompt and completion ids as the store packs them (``CallItem.packed``),
-        taken as they are instead of packed a second time."""
+        taken as they are instead of packed a second time. ``continued``: the call it was sent on with token
+        continuity (kept only where this call's tokens, rendering and messages are long enough to hold it)."""
         if chat is not None:
             messages, reply = chat
         else:
@@ -96,6 +127,13 @@ class LastCall:
             prompt, completion = _int32(record.prompt_token_ids), _int32(record.completion_token_ids)
         else:
             prompt, completion = _unpacked(packed[0]), _unpacked(packed[1])
+        rendered = prompt if rendered_prompt is None else _int32(rendered_prompt)
+        messages = messages if isinstance(messages, list) else None
+        if continued is not None and (
+            rendered is prompt or messages is None or len(messages) < continued.messages + 2
+            or len(prompt) < continued.prompt + continued.completion or len(rendered) < continued.rendered
+        ):
+            continued = None
         return cls(
             record.call_id,
             record.seq,
@@ -103,9 +141,10 @@ class LastCall:
             record.status,  # type: ignore[arg-type]
             prompt,
             completion,
-            prompt if rendered_prompt is None else _int32(rendered_prompt),
-            messages if isinstance(messages, list) else None,
+            rendered,
+            messages,
             reply,
+            continued,
         )
 
     def extended_by(self, messages: list[Any]) -> bool:
@@ -113,8 +152,26 @@ class LastCall:
         own, reply = self.messages, self.reply
         if own is None or reply is None:
             return False
-        k = len(own)
-        return len(messages) >= k + 2 and messages[:k] == own and same_message(messages[k], reply)
+        return _extends(messages, own, len(own), reply)
+
+    def parent_extended_by(self, messages: list[Any]) -> bool:
+        """Whether ``messages`` extend the call this one continued (``continued``): this call's own messages
+        again (a retry of it) or another turn from its parent."""
+        parent = self.continued
+        if parent is None or self.messages is None:
+            return False
+        return _extends(messages, self.messages, parent.messages, parent.reply)
+
+    def parent(self) -> LastCall | None:
+        """The call this one continued, rebuilt from this call's tokens and messages (copies: only done for
+        the call a new one continues)."""
+        p = self.continued
+        if p is None or self.messages is None:
+            return None
+        prompt = self.prompt_token_ids
+        return LastCall(p.call_id, p.seq, p.route, CallStatus.OK, prompt[: p.prompt],
+                        prompt[p.prompt : p.prompt + p.completion], self.rendered_prompt[: p.rendered],
+                        self.messages[: p.messages], p.reply)
 
     def supersedes(self, older: LastCall) -> bool:
         """Whether this call continues ``older``'s conversation, so ``older`` can never be extended again
@@ -130,6 +187,12 @@ class LastCall:
     def tokens(self) -> int:
         rendered = len(self.rendered_prompt) if self.rendered_prompt is not self.prompt_token_ids else 0
         return len(self.prompt_token_ids) + len(self.completion_token_ids) + rendered + 1
+
+
+def _extends(messages: list[Any], own: list[Any], k: int, reply: dict[str, Any]) -> bool:
+    """Whether ``messages`` are ``own[:k]`` + ``reply`` + at least one more message."""
+    head = own if len(own) == k else own[:k]
+    return len(messages) >= k + 2 and messages[:k] == head and same_message(messages[k], reply)
 
 
 def _int32(ids: list[int]) -> array:
@@ -195,6 +258,7 @@ class RolloutLedger:
         rendered_prompt: list[int] | None = None,
         chat: tuple[list[Any], dict[str, Any]] | None = None,
         packed: tuple[bytes, bytes] | None = None,
+        parent: str = "",
     ) -> None:
         """Add ``record`` to the attempt's recent calls (``rendered_prompt``: when its prompt is not the chat
         template's rendering, i.e. it was sent with token continuity). The calls it extends (their messages
@@ -202,8 +266,19 @@ class RolloutLedger:
         chat call with no reply (no answer) is not added: it could never be extended, and it must neither
         supersede the call its retry continues (``LastCall.supersedes``) nor take a conversation's place.
         ``chat``: the chat messages and reply of a call served as a chat completion on another route;
-        ``packed``: as for ``LastCall.of``."""
-        last = LastCall.of(record, rendered_prompt, chat, packed)
+        ``packed``: as for ``LastCall.of``; ``parent``: the id of the call it was sent on with token continuity
+        (a recent call, or the one a recent call continued), which it keeps (``LastCall.continued``) so that
+        a retry of it continues that call too."""
+        continued = None
+        if parent and rendered_prompt is not None:
+            for call in self._recent.get(key, ()):
+                if call.call_id == parent:
+                    continued = ContinuedFrom.of(call)
+                elif call.continued is not None and call.continued.call_id == parent:
+                    continued = call.continued
+                if continued is not None:
+                    break
+        last = LastCall.of(record, rendered_prompt, chat, packed, continued)
         if last.messages is not None and last.reply is None:
             return  # a chat call with no answer (errored, aborted) is never extended: nothing to remember
         kept = []

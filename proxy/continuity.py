@@ -670,12 +670,24 @@ def decoded_tokens(choice: dict[str, Any], keep_stop: bool) -> list[int]:
 def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | None:
     """The call ``messages`` continue: of the ``recent`` calls (newest first) whose messages + reply begin
     ``messages`` (with at least one message after), the one with the most messages, the newest on a tie; so
-    in two interleaved conversations each call continues its own conversation's last call."""
+    in two interleaved conversations each call continues its own conversation's last call.
+
+    The calls the recent ones continued (``LastCall.continued``) come after them, on the same rule: a harness
+    that sends again a call it already got an answer for (its SDK timed out after the answer came, or it
+    retries), the same messages, extends no recent call, since the answered call superseded its parent; it
+    continues that parent, as the answered call did, so its prompt is that call's prompt and the row builder
+    takes it for the retry it is, instead of a fresh rendering that splits the conversation."""
     best: LastCall | None = None
+    size = -1
     for call in recent:
-        if call.extended_by(messages) and (best is None or len(call.messages or ()) > len(best.messages or ())):
-            best = call
-    return best
+        if call.extended_by(messages) and len(call.messages or ()) > size:
+            best, size = call, len(call.messages or ())
+    origin: LastCall | None = None
+    for call in recent:
+        continued = call.continued
+        if continued is not None and continued.messages > size and call.parent_extended_by(messages):
+            origin, size = call, continued.messages
+    return best if origin is None else origin.parent()
 
 
 def _reasoned(reply: dict[str, Any] | None) -> bool:

@@ -240,3 +240,56 @@ def test_the_retry_of_a_timed_out_chat_call_continues_the_tokens_it_extended(cap
     assert calls[2].prompt_token_ids[: len(context)] == context
     (row,) = merge_calls_into_rows(store.rollout_calls("retried", 0)).rows
     assert row.call_ids == (calls[0].call_id, calls[2].call_id)
+
+
+def _turn(route: str, conversation: list[dict], answer: dict) -> list[dict]:
+    """``conversation`` + the answer as the harness sends it back (``route``'s shape)."""
+    if route == "chat":
+        return [*conversation, {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}]
+    if route == "messages":
+        return [*conversation, {"role": "assistant", "content": answer["content"]}]
+    return [*conversation, *answer["output"]]
+
+
+@pytest.mark.parametrize("route", ["chat", "messages", "responses"])
+def test_a_call_sent_again_after_its_answer_continues_what_the_answered_one_continued(captured, route):
+    """A harness sends again a call it already got a 200 for (an SDK that timed out after the answer came, a
+    CLI re-sending it): the answered call superseded its parent among the attempt's recent calls, so the
+    repeat must continue that parent as the answered call did (``LastCall.continued``): the same prompt tokens,
+    which the row builder takes for a retry, and the conversation stays one row. Before, the repeat extended no
+    recent call, was rendered afresh (counted ``not_an_extension``) and split the rollout into two rows."""
+    from harnessrl.trainer.rows import merge_calls_into_rows
+
+    store, proxy = captured
+    rollout = f"resent-{route}"
+    base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
+    path, system, size = {"chat": ("/chat/completions", {}, "max_tokens"),
+                          "messages": ("/messages", {"system": SYSTEM}, "max_tokens"),
+                          "responses": ("/responses", {"instructions": SYSTEM}, "max_output_tokens")}[route]
+    key = "input" if route == "responses" else "messages"
+    first_turn = [{"role": "system", "content": SYSTEM}] if route == "chat" else []
+
+    def send(conversation: list[dict]) -> dict:
+        answer = httpx.post(base + path, json={"model": "m", **system, size: 8, key: conversation}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    conversation = [*first_turn, {"role": "user", "content": FIRST}]
+    conversation = [*_turn(route, conversation, send(conversation)), {"role": "user", "content": NEXT}]
+    before = used(proxy)
+    send(conversation)  # answered; the harness sends it again
+    conversation = [*_turn(route, conversation, send(conversation)), {"role": "user", "content": "thanks"}]
+    send(conversation)
+    assert used(proxy) - before == 3  # the answered call, its repeat and the next one were all continued
+    proxy.flush(60)
+    calls = store.read_calls(rollout, 0)
+    assert [c.status for c in calls] == [CallStatus.OK] * 4
+    first, answered, repeat, nxt = calls
+    assert repeat.prompt_token_ids == answered.prompt_token_ids  # the same continuation, token for token
+    assert answered.prompt_token_ids[: len(first.prompt_token_ids) + 8] == [*first.prompt_token_ids,
+                                                                           *first.completion_token_ids]
+    assert nxt.prompt_token_ids[: len(repeat.prompt_token_ids) + 8] == [*repeat.prompt_token_ids,
+                                                                       *repeat.completion_token_ids]
+    merged = merge_calls_into_rows(store.rollout_calls(rollout, 0))
+    (row,) = merged.rows  # the repeat is a retry of the answered call (a duplicate), not a new conversation
+    assert row.call_ids == (first.call_id, repeat.call_id, nxt.call_id)

@@ -294,11 +294,13 @@ def test_a_call_packed_once_is_remembered_and_prepared_as_packed_apart():
         prepare_call(bad.record)
 
 
-def chat_record(seq: int, messages: list[dict], reply: str, rollout: str = "r"):
+def chat_record(seq: int, messages: list[dict], reply: str, rollout: str = "r", prompt: list[int] | None = None,
+                completion: list[int] | None = None):
+    prompt, completion = prompt or [1, 2, 3], completion or [5, 6]
     return build_call_record(
         who=Attribution("run", rollout, 0), seq=seq, route="chat", request={"messages": messages},
         response={"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]},
-        tokens=Tokens([1, 2, 3], [5, 6], [-0.5, -0.5], "stop"), policy_version=1, upstream="http://u",
+        tokens=Tokens(prompt, completion, [-0.5] * len(completion), "stop"), policy_version=1, upstream="http://u",
         latency_s=0.01, status=CallStatus.OK, http_status=200,
     )  # fmt: skip
 
@@ -355,6 +357,45 @@ def test_a_call_that_got_no_answer_leaves_its_parent_for_the_retry():
     retry = chat_record(3, messages, "A2")
     ledger.remember(key, retry)
     assert [c.call_id for c in ledger.recent_calls(key)] == [retry.call_id]
+
+
+def test_a_retry_of_an_answered_call_continues_the_call_that_one_continued():
+    """A harness sends again a call it already got an answer for (its SDK timed out after the answer came, or
+    it retries): the same messages extend no recent call, since the answered call superseded the call it was
+    continued from; the retry must continue that call, as the answered one did (same prompt tokens, so the
+    row builder takes it for a retry), rebuilt from the answered call's tokens, rendering and messages."""
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    key = ("r", 0)
+    a = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
+    first = chat_record(0, a, "A1", prompt=[1, 2, 3], completion=[5, 6])
+    ledger.remember(key, first)
+    messages = [*a, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "obs"}]
+    # continued: first's prompt + completion + glue (4) + the tail; rendered: first's rendering + the rest
+    answered = chat_record(1, messages, "A2", prompt=[1, 2, 3, 5, 6, 4, 9, 7], completion=[8, 8])
+    ledger.remember(key, answered, rendered_prompt=[1, 2, 3, 0, 4, 9, 7], parent=first.call_id)
+    assert [c.call_id for c in ledger.recent_calls(key)] == [answered.call_id]  # first superseded
+    held = ledger.held_tokens
+    parent = choose_parent(ledger.recent_calls(key), messages)  # the retry: the same messages again
+    assert parent is not None and parent.call_id == first.call_id and parent.status is CallStatus.OK
+    assert list(parent.prompt_token_ids) == [1, 2, 3] and list(parent.completion_token_ids) == [5, 6]
+    assert list(parent.rendered_prompt) == [1, 2, 3] and parent.messages == a
+    assert parent.reply == {"role": "assistant", "content": "A1"}
+    assert ledger.held_tokens == held  # kept as lengths: no tokens of its own
+    # the next turn continues the answered call itself
+    after = [*messages, {"role": "assistant", "content": "A2"}, {"role": "user", "content": "more"}]
+    assert choose_parent(ledger.recent_calls(key), after).call_id == answered.call_id
+    # the answered retry, sent on the same parent, keeps it too: a second retry still finds it
+    retry = chat_record(2, messages, "A2'", prompt=[1, 2, 3, 5, 6, 4, 9, 7], completion=[3])
+    ledger.remember(key, retry, rendered_prompt=[1, 2, 3, 0, 4, 9, 7], parent=first.call_id)
+    assert [c.call_id for c in ledger.recent_calls(key)] == [retry.call_id, answered.call_id]
+    assert choose_parent(ledger.recent_calls(key), messages).call_id == first.call_id
+    assert choose_parent(ledger.recent_calls(key), [*messages, {"role": "assistant", "content": "A2'"},
+                                                    {"role": "user", "content": "more"}]).call_id == retry.call_id
+    # a call not sent with token continuity (no rendering of its own) keeps no parent
+    plain = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    plain.remember(key, first)
+    plain.remember(key, chat_record(1, messages, "A2"), parent=first.call_id)
+    assert choose_parent(plain.recent_calls(key), messages) is None
 
 
 def test_ledger_bounds_rollout_counters():
