@@ -115,3 +115,26 @@ def test_a_dropped_connection_is_replaced(pg_url: str) -> None:
     assert busy.count_attempts("run")[S.QUEUED] == 4
     assert group_counts(busy, "run") == (4, 1)
     busy.close()
+
+
+@pytest.mark.postgres
+def test_a_connection_dropped_under_the_call_writer_is_replaced(pg_url: str) -> None:
+    """The writer's lookup runs on psycopg's own cursor (binary parameters), not through SQLAlchemy: a
+    connection the server dropped still fails that one add_calls as SQLAlchemy's OperationalError with the
+    pool invalidated (what the proxy's writer counts as an outage and retries), and the next call writes."""
+    from synthetic_calls import chat_trajectory
+
+    calls = chat_trajectory("drop", 6, system_tokens=30, observation_tokens=10, completion_tokens=5)
+    store = TraceStore.connect(pg_url)
+    store.upgrade()
+    assert store.add_calls(calls[:2]) == 2
+    with open_engine(pg_url).connect() as admin:
+        assert admin.execute(text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND pid <> pg_backend_pid()")).scalar_one() >= 1
+    with pytest.raises(OperationalError) as failed:
+        store.add_calls(calls[2:4])
+    assert failed.value.connection_invalidated
+    assert store.add_calls(calls[2:]) == 4
+    assert store.read_calls("drop", 0) == calls
+    store.close()

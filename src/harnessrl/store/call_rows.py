@@ -303,18 +303,6 @@ def unpack_allowed(blob: bytes | None) -> list[list[int]] | None:
     return out
 
 
-def anchor_from_row(row: Any) -> delta.Anchor:
-    return delta.Anchor(
-        row.call_id,
-        row.context_len,
-        row.context_digest,
-        row.input_len,
-        row.input_digest,
-        row.io_len,
-        row.io_digest,
-    )
-
-
 def stored_call_from_row(row: Any) -> StoredCall:
     """The delta form, straight from the row: no predecessor is touched."""
     return StoredCall(

@@ -16,6 +16,7 @@ attempt, seq): a proxy that restarted numbers from 0 again, and its calls are pl
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -30,17 +31,19 @@ from sqlalchemy import (
     any_,
     bindparam,
     func,
-    literal,
     select,
+    true,
     tuple_,
     union_all,
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
+from sqlalchemy.dialects.postgresql.psycopg import PGDialect_psycopg
+from sqlalchemy.sql import ClauseElement
 
 from harnessrl.store import delta
 from harnessrl.store.call_copy import JSON_COLUMNS, copy_insert
-from harnessrl.store.call_rows import InvalidCall, PreparedCall, anchor_from_row, prepare_call
+from harnessrl.store.call_rows import InvalidCall, PreparedCall, prepare_call
 from harnessrl.store.delta import Anchor
 from harnessrl.store.records import CallRecord
 from harnessrl.store.schema import LlmCall
@@ -266,7 +269,8 @@ def _with_json_text(p: PreparedCall, row: dict[str, Any]) -> dict[str, Any]:
 
 # PostgreSQL statements, built once: building these constructs cost more than running them (~0.6 ms a
 # batch). The keys go as three array parameters, unnested into rows and joined on the (rollout, attempt, seq)
-# index; an IN list of row values cost psycopg milliseconds per query to parse for a full batch.
+# index; an IN list of row values cost psycopg milliseconds per query to parse for a full batch. They are
+# compiled to SQL once and run by psycopg itself in binary (``_pg_rows``).
 def _unnested_keys(*extra: str) -> Any:
     """The keys' array parameters (``rollouts``, ``attempts``, ``seqs``, ``extra`` integer ones) as rows."""
     arrays = [bindparam(name, type_=ARRAY(Integer)) for name in ("attempts", "seqs", *extra)]
@@ -288,8 +292,8 @@ def _at(keys: Any, *conditions: Any) -> Any:
 
 
 _WANTED = _unnested_keys()
-_AT_KEYS = select(*ANCHOR_COLUMNS, literal(True).label("by_key")).join_from(LlmCall, _WANTED, _at(_WANTED))
-_BY_IDS = select(*ANCHOR_COLUMNS, literal(False).label("by_key")).where(
+_AT_KEYS = select(*ANCHOR_COLUMNS, true().label("by_key")).join_from(LlmCall, _WANTED, _at(_WANTED))
+_BY_IDS = select(*ANCHOR_COLUMNS, ~true().label("by_key")).where(
     LlmCall.call_id == any_(bindparam("ids", type_=ARRAY(String)))
 )
 _PG_LOOKUP = union_all(_AT_KEYS, _BY_IDS)
@@ -302,6 +306,26 @@ _EXTENDABLE = select(*ANCHOR_COLUMNS).join_from(
 )
 
 
+def _pg_sql(statement: ClauseElement) -> str:
+    """The statement as psycopg's SQL, compiled once, every parameter in binary (``%(name)b``: the ``%(name)s``
+    SQLAlchemy writes lets psycopg send a list of strings as text)."""
+    return re.sub(r"%\((\w+)\)s", r"%(\1)b", str(statement.compile(dialect=PGDialect_psycopg())))
+
+
+_PG_LOOKUP_SQL, _AT_KEYS_SQL, _EXTENDABLE_SQL = map(_pg_sql, (_PG_LOOKUP, _AT_KEYS, _EXTENDABLE))
+
+
+def _pg_rows(conn: Connection, sql: str, params: dict[str, list[Any]]) -> list[tuple[Any, ...]]:
+    """Rows of ``sql`` run by psycopg on the transaction's connection, parameters and results in binary.
+
+    Through SQLAlchemy, in psycopg's text format, every element of the arrays (a batch's 256 call_ids and
+    its keys) was quoted and escaped to be parsed back by the server, each digest came back as hex, and each
+    row went through SQLAlchemy's result machinery: 3.1 ms of CPU for a 256-call batch's lookup, 1.3 here.
+    """
+    with conn.connection.driver_connection.cursor(binary=True) as cursor:
+        return cursor.execute(sql, params).fetchall()
+
+
 def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[str], dict[Key, Anchor]]:
     """(the call_ids stored already, the stored rows at ``keys`` as anchors); one query on PostgreSQL."""
     if conn.dialect.name != "postgresql":
@@ -309,11 +333,11 @@ def _lookup(conn: Connection, call_ids: list[str], keys: set[Key]) -> tuple[set[
     params = {"ids": call_ids, **_key_arrays(keys)}
     existing: set[str] = set()
     at_keys = []
-    for row in conn.execute(_PG_LOOKUP, params):
-        if row.by_key:
+    for row in _pg_rows(conn, _PG_LOOKUP_SQL, params):
+        if row[-1]:  # by_key
             at_keys.append(row)
         else:
-            existing.add(row.call_id)
+            existing.add(row[0])
     return existing, _anchors(at_keys)
 
 
@@ -339,9 +363,9 @@ def _stored_anchors(
         return {}
     if conn.dialect.name == "postgresql":
         if longest is None:
-            return _anchors(conn.execute(_AT_KEYS, _key_arrays(keys)))
+            return _anchors(_pg_rows(conn, _AT_KEYS_SQL, _key_arrays(keys)))
         params = {**_key_arrays(keys), "longest": [longest[k] for k in sorted(keys)]}  # the arrays' order
-        return _anchors(conn.execute(_EXTENDABLE, params))
+        return _anchors(_pg_rows(conn, _EXTENDABLE_SQL, params))
     rows = []
     for chunk in chunks(sorted(keys)):
         query = select(*ANCHOR_COLUMNS).where(
@@ -355,12 +379,13 @@ def _stored_anchors(
     return _anchors(rows)
 
 
-def _anchors(rows: Iterable[Row[Any]]) -> dict[Key, Anchor]:
-    """Anchors by key; where two stored calls hold one key (data from before restarts were renumbered), the
-    lowest call_id, so every writer picks the same."""
+def _anchors(rows: Iterable[Row[Any] | tuple[Any, ...]]) -> dict[Key, Anchor]:
+    """Anchors by key from rows of ``ANCHOR_COLUMNS`` (in that order); where two stored calls hold one key
+    (data from before restarts were renumbered), the lowest call_id, so every writer picks the same."""
     anchors: dict[Key, Anchor] = {}
-    for row in sorted(rows, key=lambda r: r.call_id):
-        anchors.setdefault((row.rollout_id, row.attempt, row.seq), anchor_from_row(row))
+    for row in sorted(rows, key=lambda r: r[0]):
+        call_id, rollout_id, attempt, seq, *digests = row[:10]
+        anchors.setdefault((rollout_id, attempt, seq), Anchor(call_id, *digests))
     return anchors
 
 
