@@ -463,7 +463,8 @@ class CaptureProxy:
                             return await self._streamed(request, x)
                         if parsed_live:
                             x.live = served_stream.ParsedStream(plan, answer_as,
-                                                                wire(route).live_events(body, answer_as))
+                                                                wire(route).live_events(body, answer_as),
+                                                                derender_tokens=cfg.stream_derender_tokens)
                             return await self._streamed(request, x)
                         if chat_body is not None and streams:  # the server's parsers read the whole answer
                             return await self._replayed(request, x)

@@ -74,6 +74,11 @@ HARNESSRL_SHUTDOWN_TIMEOUT_S       on SIGTERM, how long in-flight calls may fini
 HARNESSRL_STREAM_KEEPALIVE_S       a streamed call the proxy answers whole (Messages, Responses, chat with a
                                    server parser) that has no answer after this long gets its 200 and the
                                    protocol's keep-alive events at this interval until it has (default 5)
+HARNESSRL_STREAM_DERENDER_TOKENS   a streamed call with tools relayed while generated (``served_stream.py``)
+                                   asks the server's streaming derender for its text at its first token, then
+                                   once at least this many new tokens came, then at its end: each call costs
+                                   the server a whole chat request, so fewer, larger calls (default 16; 1: one
+                                   call per read of the token stream)
 =================================  =========================================================================
 """
 
@@ -180,6 +185,7 @@ class ProxyConfig(BaseSettings):
     last_call_tokens: int = Field(default=8_000_000, ge=0)
     shutdown_timeout_s: float = Field(default=30.0, ge=0)
     stream_keepalive_s: float = Field(default=5.0, gt=0)
+    stream_derender_tokens: int = Field(default=16, ge=1)
 
     @field_validator("upstreams", mode="before")
     @classmethod

@@ -22,10 +22,15 @@ Calls with tools and ``tool_choice`` auto (Claude Code's and Codex's usual call)
 what its tool parser does not hold back as a possible tool call, and the tool calls come from the whole
 answer parsed as unstreamed. Measured with ``bench/stream_tools.py`` (tiny model, vLLM on the 2-core CPU,
 hermes, a ~1,200-token answer of text then a tool call): first text after 2.0 s against 4.0 s replayed (the
-replay's first byte is its last), the whole stream 4.6 s against 4.0 s. Each streaming derender call replays
-the parser over the answer so far (vLLM keeps no state between calls), 50-180 ms each on that CPU, so the
-tokens that arrive during one call go together in the next (``ParsedStream.take``): a few text events per
-answer there, more where the server's CPU is free.
+replay's first byte is its last), the whole stream 4.6 s against 4.0 s. Each streaming derender call costs the
+server a request with the whole chat request in it (messages and tools: 217 KB at a 32,000-token prompt) and
+its parser's work, 20-180 ms on that CPU, and what costs is the number of calls, not their size
+(``bench/derender.py``: one call per read of the token stream made 78-143 calls at a 32,000-token prompt, 3.1-3.7 s
+of a 3.5-5.0 s call). So the first read's tokens are derendered at once (the harness's first text as soon as
+it exists), then each call waits for at least ``stream_derender_tokens`` new tokens (``HARNESSRL_STREAM_DERENDER_TOKENS``,
+default 16; tokens that come while a call is out go in the next), and the tokens left when the answer ends go in
+one last call: an answer of N tokens makes at most 2 + (N - 2) // 16 streaming calls, besides the whole
+answer's derender at the end (``ParsedStream.settle``).
 
 What is still answered whole, then replayed (with keep-alives while generating):
 
@@ -146,10 +151,13 @@ class ParsedStream:
     (``continuity.TokenContinuity._plan`` sets ``ServedPlan.live``).
     """
 
-    def __init__(self, plan: Any, answer_as: Callable[[dict[str, Any]], dict[str, Any]], live: LiveEvents) -> None:
+    def __init__(self, plan: Any, answer_as: Callable[[dict[str, Any]], dict[str, Any]], live: LiveEvents, *,
+                 derender_tokens: int) -> None:
         self.plan = plan  # continuity.ServedPlan, with ``live`` set
         self.answer_as = answer_as
         self.live = live
+        self.derender_tokens = derender_tokens  # fewest new tokens per streaming derender call but the first
+        self.derender_calls = 0
         self.error: dict[str, Any] | None = None
         self.started = False
         self.sent = ""  # the text the harness got
@@ -195,15 +203,22 @@ class ParsedStream:
         return events
 
     async def derender_taken(self) -> list[dict[str, Any]]:
-        """The text events of the tokens taken since the last call, derendered in one streaming-derender call."""
+        """The text events of the tokens taken since the last call, derendered in one streaming-derender call:
+        the first read's at once, later ones once ``derender_tokens`` are taken (else they wait for a later
+        read), and whatever is left when the answer ends (the final flush, before ``settle``)."""
         ids, entries, last = self._taken
-        self._taken = ([], [], {})
-        if self.choice["finish_reason"] == "stop" and not isinstance(self.choice["stop_reason"], str) and ids \
-                and last["choices"][0].get("finish_reason") is not None:
-            ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
         if not ids:
             return []
         choice = last["choices"][0]
+        ended = choice.get("finish_reason") is not None
+        if self.derender_calls and len(ids) < self.derender_tokens and not ended:
+            return []
+        self._taken = ([], [], {})
+        if self.choice["finish_reason"] == "stop" and not isinstance(self.choice["stop_reason"], str) and ended:
+            ids, entries = ids[:-1], entries[: len(ids) - 1]  # the stop token: no text (decoded_tokens)
+            if not ids:
+                return []
+        self.derender_calls += 1
         part = {**choice, "token_ids": ids, "finish_reason": None, "stop_reason": None,
                 "logprobs": {"content": entries} if choice.get("logprobs") is not None else None}
         text, logprobs, self.state = await self.plan.derender_chunk({**last, "choices": [part]}, self.state)

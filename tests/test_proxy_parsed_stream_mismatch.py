@@ -83,7 +83,8 @@ async def relay(live: ParsedStream, shapes) -> list[dict]:
 def test_a_parse_that_withdraws_sent_text_ends_with_the_error_event_and_is_stored_as_an_error(
         shapes, body, success_events, call_events):
     answer_as = shapes.converter(body)
-    live = ParsedStream(plan(), answer_as, shapes.live_events(body, answer_as))
+    live = ParsedStream(plan(), answer_as, shapes.live_events(body, answer_as),
+                        derender_tokens=1)  # a derender call per read, as the relay below reads one token each
     events = asyncio.run(relay(live, shapes))
     kinds = [e["type"] for e in events]
 
