@@ -184,3 +184,51 @@ def test_parent_search_skips_calls_longer_than_the_prompt_yet_finds_one_that_fit
     assert [s.parent_call_id for s in stored] == [None, None, None, "search-0"]
     assert [s.prompt_suffix for s in stored] == [[1, 2], [9, 9, 9], [9], [7, 7]]
     assert store.read_calls("search", 0) == records
+
+
+def reference_item_text(item: Any) -> bytes:
+    """What every stored prefix digest hashed before msgspec: json.dumps, compact, ensure_ascii off."""
+    import json
+
+    return json.dumps(item, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass")
+
+
+any_text = st.text(st.characters(blacklist_categories=()), max_size=12)  # surrogates and controls included
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats() | any_text,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(any_text, inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(json_values)
+@settings(max_examples=400, deadline=None)
+def test_item_text_is_json_dumps_byte_for_byte(item: Any) -> None:
+    """Prefix digests hash each message's JSON text; plain messages go through msgspec, which must write the
+    very bytes json.dumps did (the digests already stored were made from them): every control character,
+    quote, backslash, U+2028, lone surrogate, 64-bit-overflowing integer and float alike."""
+    assert delta._item_text(item) == reference_item_text(item)
+    message = {"role": "tool", "content": item, "tool_call_id": "c1"}
+    assert delta._item_text(message) == reference_item_text(message)
+
+
+def test_item_text_of_every_ascii_and_line_separator() -> None:
+    text = "".join(map(chr, range(0x80))) + "\u2028\u2029\ufeff\U0001f600 \\\"/"
+    for item in (text, {text: [text, 2**64, -(2**63) - 1, True, None]}, {"content": "\ud800x"}):
+        assert delta._item_text(item) == reference_item_text(item)
+
+
+def test_plain_messages_skip_json_dumps(monkeypatch) -> None:
+    """A message of strings, ints, bools and None is written by msgspec (json.dumps, 3-25 us a message, is
+    not called); one holding a float still is, since msgspec spells some floats differently."""
+    import json
+
+    calls: list[Any] = []
+    dumps = json.dumps
+    monkeypatch.setattr(json, "dumps", lambda *a, **k: calls.append(a) or dumps(*a, **k))
+    plain = {"role": "assistant", "content": "x", "tool_calls": [{"id": "c", "index": 0}], "refusal": None}
+    expected = b'{"role":"assistant","content":"x","tool_calls":[{"id":"c","index":0}],"refusal":null}'
+    assert delta._item_text(plain) == expected
+    assert calls == []
+    assert delta._item_text({"content": 1e16}) == b'{"content":1e+16}' and len(calls) == 1

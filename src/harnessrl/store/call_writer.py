@@ -307,8 +307,8 @@ _EXTENDABLE = select(*ANCHOR_COLUMNS).join_from(
 
 
 def _pg_sql(statement: ClauseElement) -> str:
-    """The statement as psycopg's SQL, compiled once, every parameter in binary (``%(name)b``: the ``%(name)s``
-    SQLAlchemy writes lets psycopg send a list of strings as text)."""
+    """The statement as psycopg's SQL, compiled once, every parameter in binary (``%(name)b``: with the
+    ``%(name)s`` SQLAlchemy writes, psycopg sends a list of strings as text)."""
     return re.sub(r"%\((\w+)\)s", r"%(\1)b", str(statement.compile(dialect=PGDialect_psycopg())))
 
 
