@@ -354,6 +354,11 @@ class LiveMessage:
     def error(self, error: Mapping[str, Any]) -> bytes:
         return error_event(error)
 
+    def rest(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A whole answer's events after keep-alives (``protocol.Heartbeat.rest``): pings leave them as they
+        are, so a call planned under keep-alives can still be answered whole (``CaptureProxy._replayed``)."""
+        return events
+
     def start(self, head: Mapping[str, Any], prompt_tokens: int) -> list[dict[str, Any]]:
         message = {"id": head.get("id"), "type": "message", "role": "assistant", "content": [],
                    "model": self.body.get("model"), "stop_reason": None, "stop_sequence": None,

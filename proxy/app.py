@@ -175,6 +175,48 @@ class Exchange:
     answer_as: Any = None  # such a call: its translation from the chat completion (the route's ``converter``)
     live: served_stream.ServedStream | served_stream.ParsedStream | None = None  # such a call streamed while generated (``served_stream.py``)
     parent: str = ""  # token continuity: the id of the call it continues (``RolloutLedger.remember``)
+    keepalive: KeepAlive | None = None  # a stream answered in its route's own events: its keep-alive clock
+
+
+class KeepAlive:
+    """The keep-alive clock of one streamed call the proxy answers in its route's own events (a Messages or
+    Responses call served as a chat completion), started when the request arrived.
+
+    Why from the arrival: the first keep-alive must reach the harness ``stream_keepalive_s`` after it sent the
+    call, however long the proxy then takes before the answer is asked for. Before, the clock started once a
+    continued call was planned (the server rendering ~46k tokens of Claude Code's prompt, three times, under
+    load): the first byte came up to 5 s past the keep-alive time (10.0 s for one call,
+    ``bench/harness_clis.py`` at ce1239d). The planning, the whole answer (``_replayed``) and a relayed
+    stream's prefill (``_relay``) are each awaited through ``until``, which sends the stream's 200, its headers
+    and the route's keep-alive (``beats``: the route's ``LiveEvents``, whose Responses numbering carries on
+    into the answer's events) whenever one is due. Nothing sent that way is wrong if the call then fails: a
+    keep-alive promises no answer, and an error after it goes out as the route's error event
+    (``CaptureProxy._ended``)."""
+
+    def __init__(self, request: web.Request, beats: Any, started: float, interval: float) -> None:
+        self.request = request
+        self.beats = beats  # beat(), error(error), rest(events): ``protocol.Heartbeat``'s interface
+        self.interval = interval
+        self.due = started + interval  # when the next keep-alive goes out (perf_counter)
+        self.resp: web.StreamResponse | None = None  # the stream, once opened
+
+    async def until(self, awaitable: Awaitable[Any],
+                    send: Callable[[bytes], Awaitable[None]] | None = None) -> Any:
+        """``awaitable``'s result, a keep-alive sent (through ``send``, by default the stream's write) each
+        time one is due while waiting; the awaitable is cancelled if this fails or is cancelled (harness gone)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=max(0.0, self.due - time.perf_counter()))
+                if done:
+                    return task.result()
+                if self.resp is None:
+                    self.resp = await CaptureProxy._open_stream(self.request)
+                await (send or self.resp.write)(self.beats.beat())
+                self.due = time.perf_counter() + self.interval
+        except BaseException:
+            task.cancel()
+            raise
 
 
 class CaptureProxy:
@@ -431,22 +473,36 @@ class CaptureProxy:
             async with self.gate.admit():
                 chat_body = self._as_chat(route, body)
                 streams = body.get("stream") is True
+                # one translation (a Responses answer's id) for the keep-alives, the answer and any fallback
+                early_as = None if chat_body is None else wire(route).converter(body)
+                keepalive = None
+                if streams and early_as is not None:
+                    keepalive = KeepAlive(request, wire(route).live_events(body, early_as), started,
+                                          cfg.stream_keepalive_s)
                 if self.continuity is not None and (route == "chat" or chat_body is not None):
+                    planning = self.continuity.plan(
+                        who,
+                        body if chat_body is None else served_stream.streamed_chat(chat_body) if streams
+                        else chat_body,
+                        self.ledger.recent_calls(who.key),
+                        cfg.model_name,
+                        cfg.sampling_for(who.rollout_id) if cfg.train else {},
+                    )
                     try:
-                        plan = await self.continuity.plan(
-                            who,
-                            body if chat_body is None else served_stream.streamed_chat(chat_body) if streams
-                            else chat_body,
-                            self.ledger.recent_calls(who.key),
-                            cfg.model_name,
-                            cfg.sampling_for(who.rollout_id) if cfg.train else {},
-                        )
-                    except asyncio.CancelledError:  # the harness left while the server rendered its call
+                        plan = await (planning if keepalive is None else keepalive.until(planning))
+                    except (asyncio.CancelledError, ConnectionResetError, aiohttp.ClientConnectionResetError):
+                        # the harness left while the server rendered its call
                         self._capture_abandoned(Exchange(route, who, body, wants, b"", "", started))
-                        raise
+                        if keepalive is None or keepalive.resp is None:
+                            raise
+                        return keepalive.resp
+                    except Exception as exc:
+                        if keepalive is None or keepalive.resp is None:
+                            raise  # answered by the middleware, as any other failure of the proxy's
+                        return await self._failed_open(request, route, keepalive, exc)
                     if plan is not None:
                         convert = plan.convert_chunk if plan.stream else plan.convert_response
-                        answer_as = None if chat_body is None else wire(route).converter(body)
+                        answer_as = early_as
                         if answer_as is not None:
                             convert = chat_served.then(convert, answer_as)
                         parsed_live = chat_body is not None and streams and getattr(plan, "live", False)
@@ -455,17 +511,16 @@ class CaptureProxy:
                         x = Exchange(
                             route, who, body, wants, plan.payload, plan.path, started, convert,
                             plan.rendered_prompt, None if chat_body is None else chat_body["messages"], answer_as,
-                            parent=plan.parent_call_id,
+                            parent=plan.parent_call_id, keepalive=keepalive,
                         )  # fmt: skip
-                        if chat_body is not None and streams and plan.stream:  # through /v1/completions
+                        if keepalive is not None and plan.stream:  # through /v1/completions
                             x.live = served_stream.ServedStream(plan.convert_chunk, answer_as,
-                                                                wire(route).live_events(body, answer_as))
-                            return await self._streamed(request, x)
-                        if parsed_live:
-                            x.live = served_stream.ParsedStream(plan, answer_as,
-                                                                wire(route).live_events(body, answer_as),
+                                                                keepalive.beats)
+                            return await self._ended(keepalive, await self._streamed(request, x))
+                        if keepalive is not None and parsed_live:
+                            x.live = served_stream.ParsedStream(plan, answer_as, keepalive.beats,
                                                                 derender_tokens=cfg.stream_derender_tokens)
-                            return await self._streamed(request, x)
+                            return await self._ended(keepalive, await self._streamed(request, x))
                         if chat_body is not None and streams:  # the server's parsers read the whole answer
                             return await self._replayed(request, x)
                         if getattr(plan, "replay", False):  # a streamed chat call the server's parsers read
@@ -476,9 +531,9 @@ class CaptureProxy:
                 if chat_body is not None:
                     payload = dumps(chat_served.for_upstream(chat_body, train=cfg.train, model=cfg.model_name,
                                                              sampling=sampling))
-                    answer_as = shapes.converter(body)
+                    answer_as = early_as
                     x = Exchange(route, who, body, wants, payload, chat_served.PATH, started, answer_as, None,
-                                 chat_body["messages"], answer_as)
+                                 chat_body["messages"], answer_as, keepalive=keepalive)
                 else:
                     payload = dumps(
                         shapes.upstream_request(route, body, train=cfg.train, model=cfg.model_name, sampling=sampling)
@@ -589,17 +644,13 @@ class CaptureProxy:
         (``error_event``)."""
         self.metrics.streams.labels(x.route, "replayed").inc()
         fetch = asyncio.ensure_future(self._unary(x))
-        resp: web.StreamResponse | None = None
-        heart = wire(x.route).heartbeat(x.body, x.answer_as)
+        clock = x.keepalive or KeepAlive(request, wire(x.route).heartbeat(x.body, x.answer_as), x.started,
+                                         self.config.stream_keepalive_s)
+        heart = clock.beats
+        resp: web.StreamResponse | None = clock.resp
         try:
-            while True:
-                done, _ = await asyncio.wait({fetch}, timeout=self.config.stream_keepalive_s)
-                if done:
-                    break
-                if resp is None:
-                    resp = await self._open_stream(request)
-                await resp.write(heart.beat())
-            answer = fetch.result()
+            answer = await clock.until(fetch)
+            resp = clock.resp
             body = answer.body if isinstance(answer.body, bytes) else b""
             if resp is None and answer.status != 200:
                 return answer
@@ -621,6 +672,30 @@ class CaptureProxy:
         except asyncio.CancelledError:
             fetch.cancel()
             raise
+        return resp if resp is not None else clock.resp
+
+    async def _ended(self, clock: KeepAlive, response: web.StreamResponse) -> web.StreamResponse:
+        """``response``, or where the keep-alives already opened the stream and the call then failed before
+        its own stream began (the upstream refused it or was unreachable: already captured), that error as the
+        route's error event on the open stream, as ``_replayed`` answers one."""
+        if clock.resp is None or response is clock.resp or not isinstance(response, web.Response):
+            return response
+        body = response.body if isinstance(response.body, bytes) else b""
+        try:
+            await clock.resp.write(clock.beats.error(protocol.answered_error(body)))
+            await clock.resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass  # the harness left; the call is captured already
+        return clock.resp
+
+    async def _failed_open(self, request: web.Request, route: str, clock: KeepAlive,
+                           exc: Exception) -> web.StreamResponse:
+        """A failure of the proxy's own (the middleware's 500) after keep-alives opened the stream: logged and
+        counted as the middleware does, and answered as the route's error event."""
+        log.exception("internal error on %s %s", request.method, request.path)
+        self._refused(request, route, 500, "internal_error", f"{type(exc).__name__}: {exc}")
+        resp = await self._ended(clock, json_error(500, f"internal proxy error: {type(exc).__name__}",
+                                                   type_="server_error"))
         return resp
 
     @staticmethod
@@ -738,11 +813,11 @@ class CaptureProxy:
         """Pass the upstream's events through as they arrive (what one read brought goes out in one write),
         capturing them; the call is queued before ``[DONE]`` goes out, so a reward sent after the stream ends
         can never overtake it."""
-        resp = web.StreamResponse(
-            status=200,
-            headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"},
-        )
-        await resp.prepare(request)
+        resp = x.keepalive.resp if x.keepalive is not None else None
+        if resp is None:  # no keep-alive went out yet
+            resp = await self._open_stream(request)
+            if x.keepalive is not None:
+                x.keepalive.resp = resp
         route, wants, convert, live = x.route, x.wants, x.convert, x.live
         shapes = wire(route)
         assembler = live if live is not None else shapes.StreamAssembler(route)
@@ -777,8 +852,10 @@ class CaptureProxy:
             splitter = SSESplitter(MAX_SSE_EVENT_BYTES)
             while True:
                 try:
-                    if live is not None and not live.started:  # prefill: keep-alives until the first token
-                        data = await self._beating(content.readany(), live.beat, send)
+                    if live is not None and not live.started and x.keepalive is not None:
+                        # prefill (Claude Code's prompt is about 46k tokens): nothing to send but keep-alives,
+                        # which clients with stream idle timers must see, as on the replay path
+                        data = await x.keepalive.until(content.readany(), send)
                     else:
                         data = await content.readany()
                     events = splitter.feed(data) if data else [splitter.rest()]
@@ -844,21 +921,6 @@ class CaptureProxy:
                 record(CallStatus.ABORTED, HTTP_CLIENT_CLOSED)
             raise
         return resp
-
-    async def _beating(self, read: Awaitable[bytes], beat: Callable[[], bytes],
-                       send: Callable[[bytes], Awaitable[None]]) -> bytes:
-        """``read``'s data, sending ``beat()`` every ``stream_keepalive_s`` until it is there: a stream relayed
-        while generated has nothing to send while the upstream reads a long prompt (Claude Code's is about 46k
-        tokens), and clients with stream idle timers must see the events they count, as on the replay path."""
-        task = asyncio.ensure_future(read)
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=self.config.stream_keepalive_s)
-                if done:
-                    return task.result()
-                await send(beat())
-        finally:
-            task.cancel()  # a harness gone, or the call cancelled: no read is left behind
 
     @staticmethod
     def _closing(live: served_stream.ServedStream | served_stream.ParsedStream, shapes: Any, wants: ClientWants) -> bytes:

@@ -10,14 +10,22 @@ fake upstream answers after a delay, as a long generation does.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
+from collections.abc import Iterator
 
 import anthropic
 import httpx
 import openai
 import pytest
+from aiohttp import web
+
+from harnessrl.proxy.fake_upstream import FakeUpstream, encode, render_chat
+from harnessrl.store import CallStatus
 
 pytest.register_assert_rewrite("proxy_servers")
+from proxy_servers import RunningUpstream, metric_value
 
 pytest_plugins = ["proxy_servers"]  # fixtures: loops, upstream, make_proxy
 
@@ -81,3 +89,88 @@ def test_a_slow_responses_stream_starts_with_its_events_and_a_late_error_is_an_e
     proxy_fast = make_proxy([upstream.url], stream_keepalive_s=30)
     upstream.fake.script.append(400)
     assert httpx.post(f"{proxy_fast.url}/v1/responses", json=body, timeout=30).status_code == 400
+
+
+class HeldTokenize(FakeUpstream):
+    """The fake upstream with a ``/tokenize`` (ChatML, one token per byte, as its chat route renders) that
+    answers only once the test sets ``release``: token continuity's planning of a continued call waits on it,
+    as it waits on a loaded server rendering Claude Code's ~46k-token prompt."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = threading.Event()  # planning reached the server
+        self.release = threading.Event()
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.router.add_post("/tokenize", self._tokenize)
+        return app
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.asked.set()
+        await asyncio.get_running_loop().run_in_executor(None, self.release.wait, 60)
+        text = render_chat(body["messages"])
+        if body.get("add_generation_prompt") is False:
+            text = text.removesuffix("<|im_start|>assistant\n")
+        return web.json_response({"tokens": encode(text), "count": len(encode(text)), "max_model_len": 65536})
+
+
+@pytest.fixture
+def held(loops) -> Iterator[RunningUpstream]:
+    running = RunningUpstream(loops, HeldTokenize())
+    yield running
+    running.fake.release.set()
+    running.stop()
+
+
+def first_event_while_planning(proxy, held: RunningUpstream, rollout: str, fail_with: int | None = None) -> list[str]:
+    """A Messages conversation's second call, streamed, with its planning held: the stream's first event must
+    come while the planning still waits (asserted), however long it waits. Returns the stream's event kinds."""
+    base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1/messages"
+    body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    first = httpx.post(base, json=body, timeout=30).json()
+    body["messages"] += [{"role": "assistant", "content": first["content"]}, {"role": "user", "content": "go on"}]
+    if fail_with is not None:
+        held.fake.script.append(fail_with)
+    safety = threading.Timer(30, held.fake.release.set)  # without keep-alives the stream would never begin
+    safety.start()
+    try:
+        with httpx.stream("POST", base, json={**body, "stream": True}, timeout=60) as answer:
+            assert answer.status_code == 200
+            lines = answer.iter_lines()
+            first_line = next(line for line in lines if line)
+            assert held.fake.asked.is_set() and not held.fake.release.is_set()  # planning still held
+            held.fake.release.set()
+            rest = [line for line in lines if line]
+    finally:
+        safety.cancel()
+    return [line.removeprefix("event: ") for line in [first_line, *rest] if line.startswith("event: ")]
+
+
+def test_keepalives_start_while_a_continued_call_is_planned(held, make_proxy, store):
+    """Issue 26: a continued streamed call's keep-alive clock started only once the call was planned, and under
+    load Claude Code's first byte came up to 5 s past the keep-alive time. The clock now starts when the request
+    arrives: the 200 and a ``ping`` go out while the planning waits on the server, then the planned call is
+    relayed as generated on the same stream (``streams_total{mode="relayed"}``) and stored as continued."""
+    proxy = make_proxy([held.url], stream_keepalive_s=KEEPALIVE_S, token_continuity=True)
+    kinds = first_event_while_planning(proxy, held, "planned")
+    start = kinds.index("message_start")
+    assert start > 0 and set(kinds[:start]) == {"ping"} and kinds[-1] == "message_stop"
+    assert "content_block_delta" in kinds
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert metric_value(metrics, "harnessrl_proxy_token_continuity_total", outcome="used") == 1
+    assert metric_value(metrics, "harnessrl_proxy_streams_total", route="messages", mode="relayed") == 1
+    proxy.flush()
+    first, second = store.read_calls("planned", 0)
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+
+
+def test_a_continued_call_refused_after_its_keepalives_ends_with_the_error_event(held, make_proxy, store):
+    """The planned call's upstream refuses it after the keep-alives opened the stream: the harness gets the
+    route's error event on that stream (the 200 is sent), and the call is stored as the error it was."""
+    proxy = make_proxy([held.url], stream_keepalive_s=KEEPALIVE_S, token_continuity=True)
+    kinds = first_event_while_planning(proxy, held, "refused", fail_with=400)
+    assert kinds[0] == "ping" and kinds[-1] == "error" and "message_start" not in kinds
+    proxy.flush()
+    assert [c.status for c in store.read_calls("refused", 0)] == [CallStatus.OK, CallStatus.ERROR]
