@@ -29,10 +29,12 @@ streamed answers (median and range) and to their end.
     timeout 3000 .venv/bin/python bench/harness_clis.py                  # starts vLLM (about a minute)
     .venv/bin/python bench/harness_clis.py --vllm-url URL --model DIR    # a running server on that model
 
-Measured 2026-12-06 (2-core machine at load 16-19, about 5 min): every call the CLIs made stored, none refused,
-one row per conversation (3 with sub-agents) at 1.00x, every answered call with its log-probs, every recorded
-tool call spelled by the stored tokens; first byte 0.3-0.75 s (median) for tool calls, 5.5 s for 4,000-token
-answers (keep-alives at 5 s, 10.0 s once when rendering the continued call took 5 s). The README has the table.
+Measured 2026-12-06 (2-core machine, about 5 min): every call the CLIs made stored, none refused, one row per
+conversation (3 with sub-agents) at 1.00-1.01x, every answered call with its log-probs, every recorded tool call
+spelled by the stored tokens; first byte 0.28-0.49 s (median) for tool calls, 0.31 s (0.20-5.40) for 4,000-token
+answers, relayed as generated (at ce1239d, load 16-19: 0.3-0.75 s, and 5.5 s (5.05-10.0) for the long answers,
+replayed because of Claude Code's ``output_config.effort``, their keep-alive clock started after planning). The
+README has the table.
 
 Last line: ``name=value`` pairs per scenario. The issue's "before" (its text, and the README's table): Codex
 every call malformed, 0 log-probs, 18 calls stored 0 rows (exec + resume 2 rows, 1.85x); Claude Code 15 of 37

@@ -395,8 +395,14 @@ class TokenContinuity:
         if last is None:
             raise _Fallback("not_an_extension")
         # The server's parsers must read the answer: its tool parser (a request with tools) or its reasoning
-        # parser (seen at work in the parent's reply).
-        served = tools is not None or _reasoned(last.reply) or body.get("reasoning_effort") is not None
+        # parser (seen at work in the parent's reply). ``reasoning_effort`` alone does not make a call served
+        # (Claude Code sends ``output_config.effort`` on every call, so it kept every continued answer from
+        # being relayed while generated): what vLLM's chat route does with it is give the chat template
+        # ``reasoning_effort`` and ``enable_thinking`` (``_template_kwargs``), and every rendering here gets
+        # the same, so the prompt sent (and stored) is the tokens the chat route would have generated from; a
+        # reasoning parser is known from the parent's reply, as for a call without it.
+        served = tools is not None or _reasoned(last.reply)
+        template = _template_kwargs(body)
         if last.status is not CallStatus.OK or not last.completion_token_ids or not last.rendered_prompt:
             raise _Fallback("previous_call_incomplete")
         k = len(last.messages or ())
@@ -410,7 +416,7 @@ class TokenContinuity:
         key = who.rollout_id
         chat = None
         if not served:
-            final = self._render(messages, True, key, model, None)
+            final = self._render(messages, True, key, model, None, template)
         else:  # the server renders the request itself: tools, sampling parameters, the tool-call grammar
             chat = {**body, **sampling, "logprobs": True, "return_token_ids": True, "stream": False}
             chat.pop("stream_options", None)
@@ -419,8 +425,8 @@ class TokenContinuity:
                 chat["model"] = model
             final = self._render_request(chat, key)
         e, p, f = await asyncio.gather(
-            self._render(messages[:k] + [empty_reply], False, key, model, tools),
-            self._render(messages[: k + 1], False, key, model, tools),
+            self._render(messages[:k] + [empty_reply], False, key, model, tools, template),
+            self._render(messages[: k + 1], False, key, model, tools, template),
             final,
         )
         a = list(last.rendered_prompt)
@@ -447,9 +453,10 @@ class TokenContinuity:
         if isinstance(plan, ServedPlan):
             # relayed while generated (``served_stream.ParsedStream``) only where the text streamed is the
             # answer's own: no forced or refused tool call (their parsers rewrite the content), no reasoning
-            # parser, no stop string (the engine cuts the text there after the tokens were streamed)
+            # parser (seen in the parent's reply), no stop string (the engine cuts the text there after the
+            # tokens were streamed)
             plan.live = (chat.get("tool_choice") in (None, "auto") and not _reasoned(last.reply)
-                         and body.get("reasoning_effort") is None and not chat.get("stop"))
+                         and not chat.get("stop"))
         plan.parent_call_id = last.call_id
         return plan
 
@@ -625,9 +632,12 @@ class TokenContinuity:
         return data
 
     async def _render(
-        self, messages: list[Any], generation_prompt: bool, key: str, model: str | None, tools: list[Any] | None
+        self, messages: list[Any], generation_prompt: bool, key: str, model: str | None,
+        tools: list[Any] | None, template: dict[str, Any] | None = None,
     ) -> tuple[list[int], int]:
         payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": generation_prompt}
+        if template:
+            payload["chat_template_kwargs"] = template
         if tools:
             payload["tools"] = tools  # the template renders them (vLLM's /tokenize takes them as chat does)
         if model is not None:
@@ -693,6 +703,15 @@ def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | Non
 def _reasoned(reply: dict[str, Any] | None) -> bool:
     """Whether a reply carries reasoning a server-side reasoning parser split off its text."""
     return bool(reply) and any(isinstance(reply.get(k), str) and reply[k] for k in ("reasoning", "reasoning_content"))
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The chat template arguments vLLM's chat route derives from ``reasoning_effort`` (its
+    ``build_chat_params``: ``reasoning_effort``, and ``enable_thinking`` unless it is ``"none"``), for the
+    ``/tokenize`` renderings, so that a template that reads them renders the continued prompt as the chat
+    route would, and one that does not (the tiny model's) renders the same tokens as without."""
+    effort = body.get("reasoning_effort")
+    return None if effort is None else {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 def _tools(body: dict[str, Any]) -> list[Any] | None:

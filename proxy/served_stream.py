@@ -40,7 +40,9 @@ What is still answered whole, then replayed (with keep-alives while generating):
   ``extract_tool_calls`` and keeps its content), and whether the prompt holds the tools depends on the
   server's ``--exclude-tools-when-tool-choice-none``, which only its render endpoint knows; the answer a
   harness gets must be the one the chat route gives, so these stay on the render / generate / derender path;
-* calls whose reasoning a reasoning parser splits off, for the same reason;
+* calls whose reasoning a reasoning parser splits off (seen in the parent's reply), for the same reason;
+  ``reasoning_effort`` alone (Claude Code sends ``output_config.effort`` on every call) keeps no call here: the
+  chat route only gives it to the chat template, and so do the continued call's renderings (``continuity.py``);
 * first calls of a conversation (no earlier call to continue: the plain chat route, answered whole and
   translated; vLLM's own Messages and Responses streams carry no token ids or lose log-probs).
 """

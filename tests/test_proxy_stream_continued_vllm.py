@@ -47,6 +47,11 @@ def used(proxy) -> float:
                         outcome="used") or 0
 
 
+def streams(proxy, mode: str) -> float:
+    return metric_value(httpx.get(f"{proxy.url}/metrics").text, "harnessrl_proxy_streams_total", route="messages",
+                        mode=mode) or 0
+
+
 def continued_calls(store, proxy, rollouts: list[str], tokens: int | None = TOKENS) -> list:
     """The second (continued) call of each rollout, checked complete: ``tokens`` generated with their log-probs
     (None: any number but 0)."""
@@ -79,14 +84,21 @@ def assert_same_capture(unary, streamed) -> None:
     assert without_ids(streamed.response) == without_ids(unary.response)
 
 
-def test_continued_messages_stream_while_generated_and_store_what_unstreamed_stores(captured):
+@pytest.mark.parametrize("effort", [None, "high"])
+def test_continued_messages_stream_while_generated_and_store_what_unstreamed_stores(captured, effort):
+    """``effort``: Claude Code sends ``output_config.effort`` on every call, which becomes chat's
+    ``reasoning_effort``; it kept every continued answer off the relayed path (its first byte the whole answer).
+    On a server without a reasoning parser (this one) the effort changes no token: vLLM's chat route gives it to
+    the chat template only (``reasoning_effort``, ``enable_thinking``), and so do the proxy's renderings. So the
+    call is relayed while generated, and stores exactly what the unstreamed one stores."""
     store, proxy = captured
-    before = used(proxy)
-    kwargs = {"model": "m", "system": SYSTEM}
+    before, relayed, replayed = used(proxy), streams(proxy, "relayed"), streams(proxy, "replayed")
+    extra = {} if effort is None else {"output_config": {"effort": effort}}  # as Claude Code sends it
+    kwargs = {"model": "m", "system": SYSTEM, "extra_body": extra}
     finals = {}
     for stream in (False, True):
-        c = anthropic.Anthropic(base_url=f"{proxy.url}/rollouts/msg-{stream}/attempts/0", api_key="unused",
-                                max_retries=0, timeout=120)
+        c = anthropic.Anthropic(base_url=f"{proxy.url}/rollouts/msg-{effort}-{stream}/attempts/0",
+                                api_key="unused", max_retries=0, timeout=120)
         messages: list[dict] = [{"role": "user", "content": FIRST}]
         first = c.messages.create(**kwargs, max_tokens=16, messages=messages)
         messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
@@ -107,7 +119,10 @@ def test_continued_messages_stream_while_generated_and_store_what_unstreamed_sto
         assert [b.text for b in finals[stream].content] == [text]
         print(f"messages: {len(deltas)} text deltas before message_delta for a {TOKENS}-token answer")
     assert used(proxy) - before == 2
-    unary, streamed = continued_calls(store, proxy, ["msg-False", "msg-True"])
+    # the streamed continued call was relayed, not replayed (the first calls are not streamed)
+    assert (streams(proxy, "relayed") - relayed, streams(proxy, "replayed") - replayed) == (1, 0)
+    unary, streamed = continued_calls(store, proxy, [f"msg-{effort}-False", f"msg-{effort}-True"])
+    assert unary.request.get("output_config") == extra.get("output_config")  # as the harness sent
     assert_same_capture(unary, streamed)
     message = finals[True]
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == TOKENS
@@ -121,7 +136,7 @@ def test_continued_messages_stream_while_generated_and_store_what_unstreamed_sto
         assert events.get_final_message().usage.output_tokens == 8
     assert used(proxy) - before == 3
     proxy.flush(60)
-    third = store.read_calls("msg-True", 0)[2]
+    third = store.read_calls(f"msg-{effort}-True", 0)[2]
     assert third.prompt_token_ids[: len(streamed.prompt_token_ids) + TOKENS] == [
         *streamed.prompt_token_ids, *streamed.completion_token_ids]
 
