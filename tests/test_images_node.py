@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -153,6 +154,38 @@ def test_import_takes_each_image_once_under_its_references(built: dict[str, Buil
     labels = _ctr(containerd, "images", "ls").stdout
     assert labels.count(f"{INPUTS_LABEL}={postgres.key}") == len(refs)
     assert not list(images_dir().glob("postgres-*.tar"))
+
+
+def test_an_image_replacing_another_is_sent_without_the_layers_containerd_holds(
+        built: dict[str, Built], containerd: str) -> None:
+    """A rebuilt image goes in under the reference its old build had, as after a source change: containerd gets
+    only the layers it lacks (both images stand on the same Debian base), the reference then names the new
+    image, and that image, unpacked from the held layers and the sent ones, runs from containerd's snapshot."""
+    old, new = built["postgres"], built["harness-vowels"]
+    ref = f"localhost/harnessrl-test/replaced-{os.getpid()}:1"
+    logged: list[str] = []
+
+    def replaced_by(source: Built, key: str) -> Built:
+        subprocess.run(["podman", "tag", source.image.ref, ref], check=True, capture_output=True)
+        return Built(Image(name="replaced", ref=ref, dockerfile=source.image.dockerfile), key, 0.0, source.size_bytes)
+
+    try:
+        assert import_images(CTR, containerd, NAMESPACE, built=[replaced_by(old, "replaced-1")], log=logged.append) == [ref]
+        assert import_images(CTR, containerd, NAMESPACE, built=[replaced_by(new, "replaced-2")], log=logged.append) == [ref]
+        sent, held = (int(n) for n in re.search(r"\((\d+) MiB of layers sent, (\d+) MiB held\)", logged[-1]).groups())
+        assert held >= 200 and sent < new.size_bytes / 2**20 - 200, logged  # the 210 MB Debian base stayed
+        target = next(line.split()[2] for line in _ctr(containerd, "images", "ls").stdout.splitlines()
+                      if line.split()[0] == ref)
+        manifest = json.loads(_ctr(containerd, "content", "get", target).stdout)
+        podman_id = subprocess.run(["podman", "image", "inspect", "--format", "{{.Id}}", new.image.ref],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+        assert manifest["config"]["digest"] == f"sha256:{podman_id}"
+        ran = _ctr(containerd, "run", "--rm", ref, f"replaced-{os.getpid()}", "python", "-c",
+                   "import httpx, openai; print('ran', open('/app/harness.py').read()[:2] != '')")
+        assert ran.stdout.strip() == "ran True"
+    finally:
+        subprocess.run(["podman", "untag", ref, ref], capture_output=True)  # that name alone, not all the image has
+        _ctr(containerd, "images", "rm", ref, check=False)
 
 
 def test_images_imported_before_the_node_starts_are_the_nodes(built: dict[str, Built]) -> None:

@@ -10,8 +10,8 @@ host's CA bundle and pip configuration are mounted into every build step, never 
 Podman's own store is the cache: each image carries a label with a digest of its inputs (the Dockerfile, the
 build arguments, the base and the build context files the root ``.dockerignore`` lets in), so a warm run builds
 nothing and a change to any input rebuilds only the images it feeds. Images go into containerd straight from
-podman (``podman save | ctr images import -``), never through archives kept on disk: the learner and vLLM images
-are 6-7 GB each, and a second copy of every image under the cache once filled a CI machine's disk mid-build.
+podman (``podman save``, thinned to the layers containerd lacks, into ``ctr images import -``), never through
+archives kept on disk: the learner and vLLM images are 6-7 GB each, and a second copy of every image under the cache once filled a CI machine's disk mid-build.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import yaml
 from harnessrl import __version__
 from harnessrl.devcluster.apt import install_missing
 from harnessrl.devcluster.build import cache_root
+from harnessrl.devcluster.oci_layout import ArchiveError, Thinned, thin_layout
 from harnessrl.operator.config import IMAGE_REPOSITORY
 
 BASE_REF = "localhost/harnessrl/debian-base:bookworm"
@@ -337,15 +338,42 @@ def ensure_images(names: Iterable[str] | None = None, log: Callable[[str], None]
                 log(f"images: warning: the disk is nearly full ({_free_space()}); {image.name} may not fit")
             started = time.monotonic()
             build(image, root, log, key)
-            # The image this one replaced stays in podman's store untagged (GiBs for the learner and vLLM;
-            # disk, not CPU, is what runs out first on a CI machine); the build cache's layers stay.
-            _run([podman, "image", "prune", "--force"])
             seconds = time.monotonic() - started
         size = int(_inspect(podman, image.ref, "{{.Size}}") or 0)
         if seconds:
             log(f"images: {image.name} built in {seconds:.0f} s ({size / 2**20:.0f} MiB)")
         built.append(Built(image, key, seconds, size))
+    if any(item.seconds for item in built):
+        _remove_unused(podman, log)
     return built
+
+
+def _remove_unused(podman: str, log: Callable[[str], None]) -> None:
+    """Remove the untagged images no image's latest build used: the images rebuilds replaced (GiBs for the
+    learner and vLLM; disk, not CPU, is what runs out first on a CI machine) and the steps of older builds.
+
+    ``podman image prune`` would also remove the build cache of every stage but the last (a stage's result has
+    no tag and no child once the build is done): the next build then installed each image's dependencies again
+    (60-100 s of harness-swe's build after a source change). Each build log names every image its steps made or
+    took from the cache, so those stay. Removing a leaf makes its parent a leaf: repeated until nothing goes."""
+    used: set[str] = set()
+    for log_path in images_dir().glob("build-*.log"):
+        used |= set(re.findall(r"^--> (?:Using cache )?([0-9a-f]{11,64})\s*$", log_path.read_text(errors="replace"),
+                               re.MULTILINE))
+    removed = 0
+    for _ in range(64):  # the longest chain of steps in images/, with room to spare
+        listing = _run([podman, "images", "--all", "--no-trunc", "--filter", "dangling=true", "--format", "{{.ID}}"])
+        unused = [image_id for image_id in {line.strip().removeprefix("sha256:") for line in listing.stdout.split()}
+                  if image_id and not any(image_id.startswith(prefix) for prefix in used)]
+        if listing.returncode != 0 or not unused:
+            break
+        result = _run([podman, "rmi", *unused])
+        gone = result.stdout.count("Deleted:") or (len(unused) if result.returncode == 0 else 0)
+        if not gone:
+            break
+        removed += gone
+    if removed:
+        log(f"images: removed {removed} unused image(s) of earlier builds ({_free_space()})")
 
 
 def _remove_archives(log: Callable[[str], None]) -> None:
@@ -405,10 +433,13 @@ def import_images(
     ``address``, where kubelet finds them, each under its reference and its aliases; returns the references
     imported. An image whose references all carry its inputs label is skipped: the record lives in containerd's
     own store, so a store kept across node restarts imports nothing again and a new store imports everything.
-    The references an image replaces are removed first, so containerd's garbage collector frees their layers."""
+    Only the layers containerd does not hold are sent (harnessrl.devcluster.oci_layout). An import replaces
+    what its references named, so the layers no image names any more are left to containerd's garbage
+    collector; nothing is removed beforehand, since that could free the very layers the import skips."""
     built = ensure_images(log=log) if built is None else built
     podman = _podman(log)
-    command = [ctr, "--address", address, "-n", namespace, "images"]
+    client = [ctr, "--address", address, "-n", namespace]
+    command = [*client, "images"]
     listing = _run([*command, "ls"], timeout=120)
     if listing.returncode != 0:
         raise ImageError(f"images: containerd at {address} does not answer: {listing.stderr.strip()[:300]}")
@@ -419,10 +450,7 @@ def import_images(
         if all(labels.get(ref, {}).get(INPUTS_LABEL) == item.key for ref in refs):
             continue
         started = time.monotonic()
-        stale = [ref for ref in refs if ref in labels]
-        if stale:
-            _run([*command, "rm", *stale], timeout=600)
-        _stream_into_containerd(podman, item.image.ref, [*command, "import", "-"])
+        thinned = _stream_into_containerd(podman, item.image.ref, [*command, "import", "-"], held_layers(client))
         for step in (*(["tag", "--force", item.image.ref, alias] for alias in item.image.aliases),
                      *(["label", ref, f"{INPUTS_LABEL}={item.key}"] for ref in refs)):
             result = _run([*command, *step], timeout=600)
@@ -430,27 +458,64 @@ def import_images(
                 raise _failed(f"{step[0]} of {item.image.ref} into containerd at {address}",
                               result.stderr or result.stdout)
         imported += refs
-        log(f"images: imported {item.image.ref} in {time.monotonic() - started:.0f} s")
+        log(f"images: imported {item.image.ref} in {time.monotonic() - started:.0f} s "
+            f"({thinned.sent_bytes / 2**20:.0f} MiB of layers sent, {thinned.held_bytes / 2**20:.0f} MiB held)")
     return imported
 
 
-def _stream_into_containerd(podman: str, ref: str, ctr_import: list[str]) -> None:
-    """``podman save`` piped into ``ctr images import -``: no archive on disk beside the two stores."""
-    with tempfile.TemporaryFile() as save_errors:
+def held_layers(client: list[str]) -> set[str]:
+    """The layers containerd holds for the images it has: the layer references on each image's manifest
+    (``containerd.io/gc.ref.content.l.<n>`` labels) whose content is present. Layers of no image are left out:
+    the garbage collector may free them at any moment, the import included."""
+    images = _run([*client, "images", "ls"], timeout=120)
+    content = _run([*client, "content", "ls"], timeout=120)
+    if images.returncode != 0 or content.returncode != 0:
+        raise _failed("listing containerd's images and content", images.stderr + content.stderr)
+    targets = {line.split()[2] for line in images.stdout.splitlines()[1:] if len(line.split()) > 2}
+    present, referenced = set(), set()
+    for line in content.stdout.splitlines()[1:]:
+        columns = line.split()
+        if not columns:
+            continue
+        present.add(columns[0])
+        if columns[0] in targets:
+            referenced.update(value for key, _, value in (pair.partition("=") for pair in columns[-1].split(","))
+                              if key.startswith("containerd.io/gc.ref.content.l."))
+    return referenced & present
+
+
+def _stream_into_containerd(podman: str, ref: str, ctr_import: list[str], held: set[str]) -> Thinned:
+    """``podman save`` piped into ``ctr images import -`` as an OCI layout without the ``held`` layers: no
+    archive on disk beside the two stores."""
+    with tempfile.TemporaryFile() as save_errors, tempfile.TemporaryFile() as load_output:
         save = subprocess.Popen([podman, "save", "--format", "docker-archive", ref], stdout=subprocess.PIPE,
                                 stderr=save_errors)
-        assert save.stdout is not None
+        load = subprocess.Popen(ctr_import, stdin=subprocess.PIPE, stdout=load_output, stderr=subprocess.STDOUT)
+        assert save.stdout is not None and load.stdin is not None
+        thinned, failure = None, ""
         try:
-            result = subprocess.run(ctr_import, stdin=save.stdout, capture_output=True, text=True, timeout=1800)
+            thinned = thin_layout(save.stdout, load.stdin, ref, held)
+        except (ArchiveError, tarfile.TarError) as error:
+            failure = str(error)
+        except BrokenPipeError:
+            failure = "ctr stopped reading"
         finally:
-            save.stdout.close()  # ctr gone: podman sees a broken pipe instead of blocking
+            for stream in (save.stdout, load.stdin):
+                try:
+                    stream.close()  # either side gone: the other sees a broken pipe instead of blocking
+                except BrokenPipeError:
+                    pass
             saved = save.wait(timeout=600)
+            loaded = load.wait(timeout=1800)
         save_errors.seek(0)
         errors = save_errors.read().decode(errors="replace")
+        load_output.seek(0)
+        output = load_output.read().decode(errors="replace")
     if saved != 0:
         raise _failed(f"podman save of {ref}", errors)
-    if result.returncode != 0:
-        raise _failed(f"import of {ref} into containerd", result.stderr or result.stdout)
+    if loaded != 0 or thinned is None:
+        raise _failed(f"import of {ref} into containerd", "\n".join(filter(None, (failure, output))))
+    return thinned
 
 
 def _image_labels(listing: str) -> dict[str, dict[str, str]]:

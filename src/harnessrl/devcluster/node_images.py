@@ -7,12 +7,13 @@ same binary (fixed file times), so containerd imports it once and reuses it afte
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from harnessrl.devcluster.oci_layout import add_file, blob_name, digest_of, image_entries
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class NodeImage:
 def write_oci_archive(image: NodeImage, path: Path) -> Path:
     """Write ``image`` as an OCI image-layout tar that ``ctr images import`` takes under its reference."""
     layer = _layer(image)
-    layer_digest = "sha256:" + hashlib.sha256(layer).hexdigest()
+    layer_digest = digest_of(layer)
     config = json.dumps(
         {
             "architecture": "amd64",
@@ -37,51 +38,11 @@ def write_oci_archive(image: NodeImage, path: Path) -> Path:
         },
         sort_keys=True,
     ).encode()
-    config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
-    manifest = json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": "application/vnd.oci.image.manifest.v1+json",
-            "config": {
-                "mediaType": "application/vnd.oci.image.config.v1+json",
-                "digest": config_digest,
-                "size": len(config),
-            },
-            "layers": [
-                {"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": len(layer)}
-            ],
-        },
-        sort_keys=True,
-    ).encode()
-    manifest_digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
-    index = json.dumps(
-        {
-            "schemaVersion": 2,
-            "manifests": [
-                {
-                    "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                    "digest": manifest_digest,
-                    "size": len(manifest),
-                    "annotations": {
-                        "io.containerd.image.name": image.ref,
-                        "org.opencontainers.image.ref.name": image.ref.rsplit(":", 1)[1],
-                    },
-                }
-            ],
-        },
-        sort_keys=True,
-    ).encode()
-    entries = {
-        "oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode(),
-        "index.json": index,
-        f"blobs/sha256/{layer_digest[7:]}": layer,
-        f"blobs/sha256/{config_digest[7:]}": config,
-        f"blobs/sha256/{manifest_digest[7:]}": manifest,
-    }
     path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w") as archive:
-        for name, data in entries.items():
-            _add(archive, name, data)
+        add_file(archive, blob_name(layer_digest), layer)
+        for name, data in image_entries(image.ref, config, [(layer_digest, len(layer))]).items():
+            add_file(archive, name, data)
     return path
 
 
@@ -93,7 +54,7 @@ def _layer(image: NodeImage) -> bytes:
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             layer.addfile(info)
         for target, source in sorted(image.files.items()):
-            _add(layer, target.lstrip("/"), source.read_bytes(), mode=0o755)
+            add_file(layer, target.lstrip("/"), source.read_bytes(), mode=0o755)
         for name, target in sorted(image.links.items()):
             info = tarfile.TarInfo(name.lstrip("/"))
             info.type, info.linkname, info.mode = tarfile.SYMTYPE, target, 0o777
@@ -103,8 +64,3 @@ def _layer(image: NodeImage) -> bytes:
         layer.addfile(tmp)
     return buffer.getvalue()
 
-
-def _add(archive: tarfile.TarFile, name: str, data: bytes, mode: int = 0o644) -> None:
-    info = tarfile.TarInfo(name)
-    info.size, info.mode = len(data), mode
-    archive.addfile(info, io.BytesIO(data))
