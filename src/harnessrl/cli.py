@@ -40,10 +40,42 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, _, attr = target.partition(":")
-        command = getattr(importlib.import_module(module_name), attr)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name and error.name.split(".")[0] == "harnessrl":
+                raise  # our own module missing is a packaging bug, not the environment's choice
+            raise MissingDependency(cmd_name, error.name or str(error)) from error
+        command = getattr(module, attr)
         if not isinstance(command, click.Command):  # a wiring mistake, not user input
             raise TypeError(f"{target} is not a click command")
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each image installs only the extras its own commands need (the operator's has no proxy settings
+        library), so ``--help`` lists a command it cannot import as unavailable instead of failing."""
+        rows = []
+        for name in self.list_commands(ctx):
+            try:
+                command = self.get_command(ctx, name)
+            except MissingDependency as missing:
+                rows.append((name, f"(unavailable here: needs {missing.module})"))
+                continue
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(formatter.width - 6 - max(map(len, COMMANDS)))))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+class MissingDependency(click.ClickException):
+    """A subcommand whose dependencies this environment (an image, a venv) was installed without."""
+
+    def __init__(self, command: str, module: str) -> None:
+        super().__init__(f"`harnessrl {command}` needs the Python module {module}, which this environment lacks: "
+                         "install harnessrl with the extra that provides it (pyproject.toml's "
+                         "optional-dependencies), or run the command from the image made for it")
+        self.module = module
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
