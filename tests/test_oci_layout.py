@@ -32,8 +32,8 @@ def _docker_archive(layers: list[bytes], config: bytes, *, manifest_layers: list
         link = tarfile.TarInfo("0123abcd/layer.tar")
         link.type, link.linkname = tarfile.SYMTYPE, "../" + names[0]
         archive.addfile(link)
-        add("manifest.json", json.dumps([{"Config": config_name, "RepoTags": ["x.io/a:1"],
-                                           "Layers": manifest_layers if manifest_layers is not None else names}]).encode())
+        listed = manifest_layers if manifest_layers is not None else names
+        add("manifest.json", json.dumps([{"Config": config_name, "RepoTags": ["x.io/a:1"], "Layers": listed}]).encode())
         add("repositories", b"{}")
     return buffer.getvalue()
 
@@ -49,7 +49,8 @@ def test_held_layers_are_left_out_and_the_manifest_still_names_them_all() -> Non
     out = io.BytesIO()
     thinned = thin_layout(io.BytesIO(_docker_archive(layers, config)), out, "x.io/a:1",
                           held={digest_of(layers[0]), digest_of(layers[1])})
-    assert (thinned.layers, thinned.sent_bytes, thinned.held_bytes) == (3, len(layers[2]), len(layers[0]) + len(layers[1]))
+    assert (thinned.layers, thinned.sent_bytes, thinned.held_bytes) == \
+        (3, len(layers[2]), len(layers[0]) + len(layers[1]))
     files = _layout(out.getvalue())
     index = json.loads(files["index.json"])
     (entry,) = index["manifests"]

@@ -11,7 +11,8 @@ Podman's own store is the cache: each image carries a label with a digest of its
 build arguments, the base and the build context files the root ``.dockerignore`` lets in), so a warm run builds
 nothing and a change to any input rebuilds only the images it feeds. Images go into containerd straight from
 podman (``podman save``, thinned to the layers containerd lacks, into ``ctr images import -``), never through
-archives kept on disk: the learner and vLLM images are 6-7 GB each, and a second copy of every image under the cache once filled a CI machine's disk mid-build.
+archives kept on disk: the learner and vLLM images are 6-7 GB each, and a second copy of every image under the
+cache once filled a CI machine's disk mid-build.
 """
 
 from __future__ import annotations
