@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
@@ -320,11 +320,19 @@ def test_rows_do_not_depend_on_which_earlier_call_a_delta_names(sent, data, max_
 
 @settings(max_examples=200, deadline=None)
 @given(sent=trajectories(), max_prompt=limits, max_row=limits)
+@example(  # a retry revived by a later call that splits off it: its transition row stays at its own seq
+    sent=[Sent(f"c{i}", i, prompt, [0], [-1.0 - i], CallStatus.OK, 0)
+          for i, prompt in enumerate([[0], [0], [0, 0], [0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0, 0]])],
+    max_prompt=None, max_row=None,
+)
 def test_transition_mode_gives_one_row_per_kept_call(sent, max_prompt, max_row):
     kept, _, _, dropped, _ = reference(sent, max_prompt, max_row)
     result = merge_calls_into_rows(delta_encode(sent), mode="transition", max_prompt_tokens=max_prompt,
                                    max_row_tokens=max_row)
     check_rows(result, sent, max_row)
+    # one row per kept call, in the order the calls were made (a revived duplicate sits at its own seq, not
+    # where a merged row would put it)
+    kept = sorted(kept, key=lambda s: s.seq)
     assert [row.call_ids for row in result.rows] == [(s.call_id,) for s in kept]
     for row, s in zip(result.rows, kept):
         assert row.input_ids.tolist() == s.prompt + s.completion[: keep_count(s, max_row)]
