@@ -127,6 +127,16 @@ def held(loops) -> Iterator[RunningUpstream]:
 def first_event_while_planning(proxy, held: RunningUpstream, rollout: str, fail_with: int | None = None) -> list[str]:
     """A Messages conversation's second call, streamed, with its planning held: the stream's first event must
     come while the planning still waits (asserted), however long it waits. Returns the stream's event kinds."""
+    return event_kinds(stream_while_planning(proxy, held, rollout, fail_with))
+
+
+def event_kinds(lines: list[str]) -> list[str]:
+    return [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+
+
+def stream_while_planning(proxy, held: RunningUpstream, rollout: str,
+                          fail_with: int | None = None) -> list[str]:
+    """``first_event_while_planning``'s stream as its non-empty lines (events and their data)."""
     base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1/messages"
     body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
     first = httpx.post(base, json=body, timeout=30).json()
@@ -145,7 +155,7 @@ def first_event_while_planning(proxy, held: RunningUpstream, rollout: str, fail_
             rest = [line for line in lines if line]
     finally:
         safety.cancel()
-    return [line.removeprefix("event: ") for line in [first_line, *rest] if line.startswith("event: ")]
+    return [first_line, *rest]
 
 
 def test_keepalives_start_while_a_continued_call_is_planned(held, make_proxy, store):
@@ -174,3 +184,49 @@ def test_a_continued_call_refused_after_its_keepalives_ends_with_the_error_event
     assert kinds[0] == "ping" and kinds[-1] == "error" and "message_start" not in kinds
     proxy.flush()
     assert [c.status for c in store.read_calls("refused", 0)] == [CallStatus.OK, CallStatus.ERROR]
+
+
+def test_a_failure_of_the_proxys_own_while_planning_after_keepalives_ends_with_the_error_event(
+        held, make_proxy, store, monkeypatch, caplog):
+    """The proxy's own planning fails (a bug, not a refusal) after the keep-alives opened the stream: the
+    harness gets the route's error event and the stream ends (without ``_failed_open`` the middleware's 500
+    was written into the open stream's body, which the client read as a broken chunk). The failure is logged
+    and counted as the middleware counts any other (``refused_total{code="internal_error"}``; no call is
+    stored, as for every error the proxy answers itself), and the proxy serves the harness's retry, which
+    continues the conversation."""
+    proxy = make_proxy([held.url], stream_keepalive_s=KEEPALIVE_S, token_continuity=True)
+    continuity = proxy.proxy.continuity
+    plan = continuity.plan
+    failures: list[object] = []
+
+    async def plan_then_fail(*args: object, **kwargs: object) -> object:
+        planned = await plan(*args, **kwargs)  # the real planning, held on the server's /tokenize
+        if planned is not None and not failures:  # the continued call, once
+            failures.append(planned)
+            raise RuntimeError("planner bug")
+        return planned
+
+    monkeypatch.setattr(continuity, "plan", plan_then_fail)
+    lines = stream_while_planning(proxy, held, "broken")
+    kinds = event_kinds(lines)
+    assert failures and kinds[0] == "ping" and kinds[-1] == "error" and "message_start" not in kinds
+    assert json.loads(lines[-1].removeprefix("data: ")) == {
+        "type": "error", "error": {"type": "server_error", "message": "internal proxy error: RuntimeError"}}
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert metric_value(metrics, "harnessrl_proxy_refused_total", route="messages", status="500",
+                        code="internal_error") == 1
+    assert "refused broken/0 messages 500 internal_error: RuntimeError: planner bug" in caplog.messages
+    proxy.flush()
+    assert [c.status for c in store.read_calls("broken", 0)] == [CallStatus.OK]
+    # the harness retries the call on the same proxy: planned again, relayed, stored as continuing the first
+    base = f"{proxy.url}/rollouts/broken/attempts/0/v1/messages"
+    first = store.read_calls("broken", 0)[0]
+    body = {"model": "m", "max_tokens": 4, "stream": True, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": first.response["content"]},
+        {"role": "user", "content": "go on"}]}
+    kinds = event_kinds(stream_lines(base, body))
+    assert "message_start" in kinds and kinds[-1] == "message_stop" and "error" not in kinds
+    proxy.flush()
+    first, retry = store.read_calls("broken", 0)
+    assert retry.status is CallStatus.OK
+    assert retry.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
