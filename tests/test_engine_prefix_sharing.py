@@ -79,12 +79,28 @@ def assert_same_gradients(engine: PolicyEngine, rows: list[TrainRow]) -> None:
     assert scale > 1e-4
     for a, b in zip(shared, full, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * scale)
-    # the comparison is sensitive: packed under a plain causal mask, a row's suffix sees the rows packed
-    # before it, and the gradient differs
+    # the comparison is sensitive: packed under a plain causal mask (and sdpa's blocks one causal block), a
+    # row's suffix sees the rows packed before it, and the gradient differs
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(engine_mod, "shared_prefix_mask", causal_only)
+        patch.setattr(engine_mod, "attention_blocks",
+                      lambda layouts, length: tuple(((0, length, ((0, length),)),) for _ in layouts))
         wrong, _ = gradients(engine, rows, shared=True)
     assert any(not torch.allclose(a, b, rtol=1e-2, atol=1e-3 * scale) for a, b in zip(wrong, full))
+    if engine.attn_implementation == "sdpa":  # and sdpa computes by the blocks: suffixes cut off the prefix differ
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(engine_mod, "attention_blocks", without_prefix(engine_mod.attention_blocks))
+            wrong, _ = gradients(engine, rows, shared=True)
+        assert any(not torch.allclose(a, b, rtol=1e-2, atol=1e-3 * scale) for a, b in zip(wrong, full))
+
+
+def without_prefix(attention_blocks):
+    """The blocks with each suffix's keys cut to the suffix itself (the mask alone would still allow the
+    prefix): what sdpa computes only if the blocks are what it computes by."""
+    def blocks(layouts, length):
+        return tuple(tuple((q0, q1, ranges[-1:]) for q0, q1, ranges in row)
+                     for row in attention_blocks(layouts, length))
+    return blocks
 
 
 def causal_only(segments: np.ndarray) -> np.ndarray:
@@ -159,3 +175,25 @@ def test_rows_sharing_less_than_the_threshold_go_alone():
     shards = shard_rows(rows, 2, 0.5)
     owner = {r.index: k for k, shard in enumerate(shards) for r in shard}
     assert len({owner[r.index] for r in big.rows}) == 1
+
+
+def test_attention_blocks_hold_every_pair_the_mask_allows_and_few_others():
+    """sdpa computes a packed batch block by block (shared_prefix_attention): every query-key pair the mask
+    allows lies in one of its query's blocks, and the blocks hold about the pairs needed, not [T, T]."""
+    from harnessrl.trainer.prefix_sharing import attention_blocks, pack, shared_prefix_mask
+
+    rows = [r for r in group_rows() if r.index < 8]
+    group = group_shared_prefixes(rows, 0.5)[0][0]
+    layout = pack(group)
+    length = len(layout.input_ids) + 5  # padded, as the shorter group of a batch is
+    segments = np.full((1, length), -1, np.int64)
+    segments[0, :len(layout.input_ids)] = layout.segment
+    mask = shared_prefix_mask(segments)[0, 0]
+    covered = np.zeros_like(mask)
+    for q0, q1, ranges in attention_blocks([layout], length)[0]:
+        assert not covered[q0:q1].any()  # each query in one block
+        for s, e in ranges:
+            covered[q0:q1, s:e] = True
+    assert covered.any(axis=1).all()
+    assert not (mask & ~covered).any()
+    assert covered.sum() < 0.6 * length * length

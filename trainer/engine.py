@@ -41,9 +41,12 @@ import numpy as np
 import torch
 
 from harnessrl.trainer.prefix_sharing import (
+    Blocks,
     PrefixGroup,
+    attention_blocks,
     group_shared_prefixes,
     pack,
+    shared_prefix_attention,
     shared_prefix_mask,
     split_to_budget,
 )
@@ -217,6 +220,7 @@ class MicroBatch:
     # vocabulary. None when no target of the batch has a set.
     allowed: torch.Tensor | None = None
     position_ids: torch.Tensor | None = None  # [B, T] long, packed prefix groups only
+    attention_blocks: Blocks | None = None  # packed prefix groups only: the mask's blocks, all sdpa computes
     shared_rows: int = 0  # rows computed in a packed prefix group
     saved_tokens: int = 0  # row tokens the packed groups did not compute again
 
@@ -264,7 +268,8 @@ def collate_shared(groups: Sequence[PrefixGroup], pad_id: int = 0) -> MicroBatch
             targets.add(row, lambda p, b=b, k=k, layout=layout: b * length + layout.packed_index(k, p))
     return targets.batch(
         input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(shared_prefix_mask(segments)),
-        position_ids=torch.from_numpy(positions), row_tokens=sum(g.row_tokens for g in groups),
+        position_ids=torch.from_numpy(positions), attention_blocks=attention_blocks(layouts, length),
+        row_tokens=sum(g.row_tokens for g in groups),
         shared_rows=sum(len(g.rows) for g in groups), saved_tokens=sum(g.saved_tokens for g in groups),
     )
 
@@ -429,6 +434,21 @@ def plan_shared_micro_batches(rows: Sequence[TrainRow], token_budget: int, min_f
             + [collate_shared(batch, pad_id) for batch in plan_micro_batches(packed, token_budget)])
 
 
+_blocked_sdpa_installed = False
+
+
+def _install_blocked_sdpa() -> None:
+    """transformers' ``sdpa`` attention, process-wide, made to compute a packed batch block by block when
+    the decoder is given ``shared_prefix_blocks`` (:func:`shared_prefix_attention`); other calls unchanged."""
+    global _blocked_sdpa_installed
+    if _blocked_sdpa_installed:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = shared_prefix_attention(ALL_ATTENTION_FUNCTIONS["sdpa"])
+    _blocked_sdpa_installed = True
+
+
 def supports_prefix_sharing(config: Any) -> bool:
     """Whether the model takes a ready shared-prefix mask: attention ``sdpa`` or ``eager`` (FlashAttention-2
     takes no arbitrary mask) and no sliding-window layer (the window would have to be part of the mask)."""
@@ -534,6 +554,8 @@ class PolicyEngine:
             log.warning("model %s (attention %s) cannot take a shared-prefix mask: every row trains alone",
                         self.model_dir, self.attn_implementation)
             self.shared_prefix_min_fraction = None
+        if self.shared_prefix_min_fraction is not None and self.attn_implementation == "sdpa":
+            _install_blocked_sdpa()
         params = [p for p in model.parameters() if p.requires_grad]
         self.ds_config = deepspeed_config(settings, self.dist.world_size, self.bf16)
         with _launcher_env(self.dist):
@@ -563,8 +585,10 @@ class PolicyEngine:
         if mask.dim() == 4 and self.attn_implementation == "eager":  # eager adds the mask to the scores
             dtype = lm.get_input_embeddings().weight.dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        blocks = {"shared_prefix_blocks": mb.attention_blocks} \
+            if mb.attention_blocks is not None and self.attn_implementation == "sdpa" else {}
         hidden = lm.get_decoder()(input_ids=mb.input_ids, attention_mask=mask,
-                                  position_ids=mb.position_ids).last_hidden_state
+                                  position_ids=mb.position_ids, **blocks).last_hidden_state
         selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.target_pos)
         head = lm.get_output_embeddings()
         logps, entropies = [], []
