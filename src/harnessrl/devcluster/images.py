@@ -444,7 +444,7 @@ def import_images(
     listing = _run([*command, "ls"], timeout=120)
     if listing.returncode != 0:
         raise ImageError(f"images: containerd at {address} does not answer: {listing.stderr.strip()[:300]}")
-    labels = _image_labels(listing.stdout)
+    labels = {ref: row.labels for ref, row in _image_rows(listing.stdout).items()}
     imported = []
     for item in built:
         refs = (item.image.ref, *item.image.aliases)
@@ -472,7 +472,7 @@ def held_layers(client: list[str]) -> set[str]:
     content = _run([*client, "content", "ls"], timeout=120)
     if images.returncode != 0 or content.returncode != 0:
         raise _failed("listing containerd's images and content", images.stderr + content.stderr)
-    targets = {line.split()[2] for line in images.stdout.splitlines()[1:] if len(line.split()) > 2}
+    targets = {row.digest for row in _image_rows(images.stdout).values()}
     present, referenced = set(), set()
     for line in content.stdout.splitlines()[1:]:
         columns = line.split()
@@ -519,13 +519,18 @@ def _stream_into_containerd(podman: str, ref: str, ctr_import: list[str], held: 
     return thinned
 
 
-def _image_labels(listing: str) -> dict[str, dict[str, str]]:
-    """``ctr images ls`` rows (REF TYPE DIGEST SIZE PLATFORMS LABELS, the size two words) as ref -> labels."""
-    labels = {}
+@dataclass(frozen=True)
+class _ImageRow:
+    digest: str  # the manifest (or index) the reference names
+    labels: dict[str, str]
+
+
+def _image_rows(listing: str) -> dict[str, _ImageRow]:
+    """``ctr images ls`` rows (REF TYPE DIGEST SIZE PLATFORMS LABELS, the size two words) by reference."""
+    rows = {}
     for line in listing.splitlines()[1:]:
         columns = line.split()
-        if len(columns) >= 2:
-            labels[columns[0]] = dict(
-                pair.split("=", 1) for pair in columns[-1].split(",") if "=" in pair
-            )
-    return labels
+        if len(columns) > 2:
+            labels = dict(pair.split("=", 1) for pair in columns[-1].split(",") if "=" in pair)
+            rows[columns[0]] = _ImageRow(columns[2], labels)
+    return rows
