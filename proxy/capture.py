@@ -32,7 +32,8 @@ import sys
 import uuid
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harnessrl.store.records import CallRecord, CallStatus
@@ -80,13 +81,32 @@ class ContinuedFrom:
     prompt: int  # the parent's prompt length
     completion: int  # ... completion length
     rendered: int  # ... rendering's length
+    up: ContinuedFrom | None = None  # the call the parent continued, and so on (at most ``ANCESTORS`` in all)
 
     @classmethod
     def of(cls, parent: LastCall) -> ContinuedFrom | None:
+        """``parent``'s lengths, with the calls it continued (``up``, bounded), so that a call re-sent after
+        a later turn superseded its answer (call k again after k+1) still finds the call it continued."""
         if parent.messages is None or parent.reply is None:
             return None
         return cls(parent.call_id, parent.seq, parent.route, len(parent.messages), parent.reply,
-                   len(parent.prompt_token_ids), len(parent.completion_token_ids), len(parent.rendered_prompt))
+                   len(parent.prompt_token_ids), len(parent.completion_token_ids), len(parent.rendered_prompt),
+                   _trimmed(parent.continued, ANCESTORS - 1))
+
+    def chain(self) -> Iterator[ContinuedFrom]:
+        """This parent, then the calls above it, nearest first."""
+        up: ContinuedFrom | None = self
+        while up is not None:
+            yield up
+            up = up.up
+
+
+def _trimmed(continued: ContinuedFrom | None, depth: int) -> ContinuedFrom | None:
+    """``continued`` with at most ``depth`` calls in its chain (the farthest dropped)."""
+    if continued is None or depth <= 0:
+        return None
+    up = _trimmed(continued.up, depth - 1)
+    return continued if up is continued.up else replace(continued, up=up)
 
 
 @dataclass(frozen=True)
@@ -154,18 +174,18 @@ class LastCall:
             return False
         return _extends(messages, own, len(own), reply)
 
-    def parent_extended_by(self, messages: list[Any]) -> bool:
-        """Whether ``messages`` extend the call this one continued (``continued``): this call's own messages
-        again (a retry of it) or another turn from its parent."""
-        parent = self.continued
+    def parent_extended_by(self, messages: list[Any], parent: ContinuedFrom | None = None) -> bool:
+        """Whether ``messages`` extend the call this one continued (``continued``, or ``parent``, one of the
+        calls above it): this call's own messages again (a retry of it) or another turn from its parent."""
+        parent = parent or self.continued
         if parent is None or self.messages is None:
             return False
         return _extends(messages, self.messages, parent.messages, parent.reply)
 
-    def parent(self) -> LastCall | None:
-        """The call this one continued, rebuilt from this call's tokens and messages (copies: only done for
-        the call a new one continues)."""
-        p = self.continued
+    def parent(self, parent: ContinuedFrom | None = None) -> LastCall | None:
+        """The call this one continued (or ``parent``, one of the calls above it), rebuilt from this call's
+        tokens and messages (copies: only done for the call a new one continues)."""
+        p = parent or self.continued
         if p is None or self.messages is None:
             return None
         prompt = self.prompt_token_ids
@@ -214,6 +234,7 @@ def _unpacked(packed: bytes) -> array:
     return out
 
 
+ANCESTORS = 4  # calls a continued call remembers above it (``ContinuedFrom.up``): a few numbers each
 RECENT_PER_ATTEMPT = 8  # conversations continued side by side in one attempt (agent + sub-agents)
 
 
@@ -274,8 +295,8 @@ class RolloutLedger:
             for call in self._recent.get(key, ()):
                 if call.call_id == parent:
                     continued = ContinuedFrom.of(call)
-                elif call.continued is not None and call.continued.call_id == parent:
-                    continued = call.continued
+                elif call.continued is not None:
+                    continued = next((up for up in call.continued.chain() if up.call_id == parent), None)
                 if continued is not None:
                     break
         last = LastCall.of(record, rendered_prompt, chat, packed, continued)

@@ -73,7 +73,7 @@ from typing import Any
 
 from harnessrl.store.records import CallStatus
 
-from .capture import Attribution, LastCall
+from .capture import Attribution, ContinuedFrom, LastCall
 from .metrics import ProxyMetrics
 from .protocol import SSE_DONE, TOKEN_ID_PREFIX, ask_allowed, dumps, loads, sse_bytes
 from .upstreams import UpstreamPool, UpstreamUnavailable
@@ -692,12 +692,12 @@ def choose_parent(recent: list[LastCall], messages: list[Any]) -> LastCall | Non
     for call in recent:
         if call.extended_by(messages) and len(call.messages or ()) > size:
             best, size = call, len(call.messages or ())
-    origin: LastCall | None = None
-    for call in recent:
-        continued = call.continued
-        if continued is not None and continued.messages > size and call.parent_extended_by(messages):
-            origin, size = call, continued.messages
-    return best if origin is None else origin.parent()
+    origin: tuple[LastCall, ContinuedFrom] | None = None
+    for call in recent:  # the calls above a recent one too: call k re-sent after k+1 superseded it
+        for up in call.continued.chain() if call.continued is not None else ():
+            if up.messages > size and call.parent_extended_by(messages, up):
+                origin, size = (call, up), up.messages
+    return best if origin is None else origin[0].parent(origin[1])
 
 
 def _reasoned(reply: dict[str, Any] | None) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import anthropic
 import httpx
@@ -266,6 +267,31 @@ def _turn(route: str, conversation: list[dict], answer: dict) -> list[dict]:
     return [*conversation, *answer["output"]]
 
 
+def _sender(proxy, rollout: str, route: str) -> tuple[Callable[[list[dict]], dict], list[dict]]:
+    """A function sending a conversation on ``route`` (8 tokens, answered 200) and the first turn's head (the
+    system message where the route takes it in the conversation)."""
+    base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
+    path, system, size = {"chat": ("/chat/completions", {}, "max_tokens"),
+                          "messages": ("/messages", {"system": SYSTEM}, "max_tokens"),
+                          "responses": ("/responses", {"instructions": SYSTEM}, "max_output_tokens")}[route]
+    key = "input" if route == "responses" else "messages"
+
+    def send(conversation: list[dict]) -> dict:
+        answer = httpx.post(base + path, json={"model": "m", **system, size: 8, key: conversation}, timeout=120)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    return send, [{"role": "system", "content": SYSTEM}] if route == "chat" else []
+
+
+def _answered(store, proxy, rollout: str, n: int) -> list:
+    """The rollout's stored calls, checked to be ``n``, all OK."""
+    proxy.flush(60)
+    calls = store.read_calls(rollout, 0)
+    assert [c.status for c in calls] == [CallStatus.OK] * n
+    return calls
+
+
 @pytest.mark.parametrize("route", ["chat", "messages", "responses"])
 def test_a_call_sent_again_after_its_answer_continues_what_the_answered_one_continued(captured, route):
     """A harness sends again a call it already got a 200 for (an SDK that timed out after the answer came, a
@@ -277,18 +303,7 @@ def test_a_call_sent_again_after_its_answer_continues_what_the_answered_one_cont
 
     store, proxy = captured
     rollout = f"resent-{route}"
-    base = f"{proxy.url}/rollouts/{rollout}/attempts/0/v1"
-    path, system, size = {"chat": ("/chat/completions", {}, "max_tokens"),
-                          "messages": ("/messages", {"system": SYSTEM}, "max_tokens"),
-                          "responses": ("/responses", {"instructions": SYSTEM}, "max_output_tokens")}[route]
-    key = "input" if route == "responses" else "messages"
-    first_turn = [{"role": "system", "content": SYSTEM}] if route == "chat" else []
-
-    def send(conversation: list[dict]) -> dict:
-        answer = httpx.post(base + path, json={"model": "m", **system, size: 8, key: conversation}, timeout=120)
-        assert answer.status_code == 200, answer.text
-        return answer.json()
-
+    send, first_turn = _sender(proxy, rollout, route)
     conversation = [*first_turn, {"role": "user", "content": FIRST}]
     conversation = [*_turn(route, conversation, send(conversation)), {"role": "user", "content": NEXT}]
     before = used(proxy)
@@ -296,10 +311,7 @@ def test_a_call_sent_again_after_its_answer_continues_what_the_answered_one_cont
     conversation = [*_turn(route, conversation, send(conversation)), {"role": "user", "content": "thanks"}]
     send(conversation)
     assert used(proxy) - before == 3  # the answered call, its repeat and the next one were all continued
-    proxy.flush(60)
-    calls = store.read_calls(rollout, 0)
-    assert [c.status for c in calls] == [CallStatus.OK] * 4
-    first, answered, repeat, nxt = calls
+    first, answered, repeat, nxt = calls = _answered(store, proxy, rollout, 4)
     assert repeat.prompt_token_ids == answered.prompt_token_ids  # the same continuation, token for token
     assert answered.prompt_token_ids[: len(first.prompt_token_ids) + 8] == [*first.prompt_token_ids,
                                                                            *first.completion_token_ids]
@@ -308,3 +320,31 @@ def test_a_call_sent_again_after_its_answer_continues_what_the_answered_one_cont
     merged = merge_calls_into_rows(store.rollout_calls(rollout, 0))
     (row,) = merged.rows  # the repeat is a retry of the answered call (a duplicate), not a new conversation
     assert row.call_ids == (first.call_id, repeat.call_id, nxt.call_id)
+
+
+def test_a_call_sent_again_after_a_later_turn_continues_what_it_continued(captured):
+    """A harness sends call k again after call k+1 (which continued k) was answered: a retry that raced the
+    next turn, a sub-agent re-sent. k+1 superseded k, which had superseded k-1; the resend must continue k-1 as
+    k did (``ContinuedFrom.up``): k's prompt tokens, exactly. Before, the resend extended no recent call and was rendered afresh
+    (``not_an_extension``: 2 of 3 continued)."""
+    from harnessrl.trainer.rows import merge_calls_into_rows
+
+    store, proxy = captured
+    rollout = "resent-older"
+    send, first_turn = _sender(proxy, rollout, "chat")
+    conversation = [*first_turn, {"role": "user", "content": FIRST}]
+    conversation = [*_turn("chat", conversation, send(conversation)), {"role": "user", "content": NEXT}]
+    before = used(proxy)
+    second = conversation
+    conversation = [*_turn("chat", second, send(second)), {"role": "user", "content": "thanks"}]
+    send(conversation)
+    send(second)  # the second call again, after the third was answered
+    assert used(proxy) - before == 3  # the second call, the third and the resend were all continued
+    first, answered, third, resend = _answered(store, proxy, rollout, 4)
+    assert resend.prompt_token_ids == answered.prompt_token_ids  # the same continuation, token for token
+    assert third.prompt_token_ids[: len(answered.prompt_token_ids) + 8] == [*answered.prompt_token_ids,
+                                                                           *answered.completion_token_ids]
+    # The row builder takes a repeat of a row's last kept call for a retry, not one of an earlier call: this
+    # resend still starts a row of its own, (first, answered, third) and (resend,), the same tokens as before.
+    rows = merge_calls_into_rows(store.rollout_calls(rollout, 0)).rows
+    assert [r.call_ids for r in rows][0] == (first.call_id, answered.call_id, third.call_id)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from harnessrl.proxy.capture import Attribution, LastCall, RolloutLedger, build_call_record
+from harnessrl.proxy.capture import ANCESTORS, Attribution, LastCall, RolloutLedger, build_call_record
 from harnessrl.proxy.config import ConfigError, load_config
 from harnessrl.proxy.continuity import choose_parent
 from harnessrl.proxy.metrics import ProxyMetrics
@@ -42,7 +42,15 @@ from harnessrl.proxy.writer import (
     record_from_json,
     record_to_json,
 )
-from harnessrl.store import CallStatus, NotFound, PreparedCall, RolloutState, TraceStore, prepare_call
+from harnessrl.store import (
+    CallRecord,
+    CallStatus,
+    NotFound,
+    PreparedCall,
+    RolloutState,
+    TraceStore,
+    prepare_call,
+)
 
 pytest.register_assert_rewrite("proxy_servers")
 from proxy_servers import metric_value
@@ -359,13 +367,11 @@ def test_a_call_that_got_no_answer_leaves_its_parent_for_the_retry():
     assert [c.call_id for c in ledger.recent_calls(key)] == [retry.call_id]
 
 
-def test_a_retry_of_an_answered_call_continues_the_call_that_one_continued():
-    """A harness sends again a call it already got an answer for (its SDK timed out after the answer came, or
-    it retries): the same messages extend no recent call, since the answered call superseded the call it was
-    continued from; the retry must continue that call, as the answered one did (same prompt tokens, so the
-    row builder takes it for a retry), rebuilt from the answered call's tokens, rendering and messages."""
-    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
-    key = ("r", 0)
+def continued_once(
+    ledger: RolloutLedger, key: tuple[str, int]
+) -> tuple[list[dict], CallRecord, list[dict], CallRecord]:
+    """A first chat call and a second one continued from it, remembered: (first messages, first record,
+    second messages, second record)."""
     a = [{"role": "system", "content": "agent"}, {"role": "user", "content": "task"}]
     first = chat_record(0, a, "A1", prompt=[1, 2, 3], completion=[5, 6])
     ledger.remember(key, first)
@@ -373,6 +379,17 @@ def test_a_retry_of_an_answered_call_continues_the_call_that_one_continued():
     # continued: first's prompt + completion + glue (4) + the tail; rendered: first's rendering + the rest
     answered = chat_record(1, messages, "A2", prompt=[1, 2, 3, 5, 6, 4, 9, 7], completion=[8, 8])
     ledger.remember(key, answered, rendered_prompt=[1, 2, 3, 0, 4, 9, 7], parent=first.call_id)
+    return a, first, messages, answered
+
+
+def test_a_retry_of_an_answered_call_continues_the_call_that_one_continued():
+    """A harness sends again a call it already got an answer for (its SDK timed out after the answer came, or
+    it retries): the same messages extend no recent call, since the answered call superseded the call it was
+    continued from; the retry must continue that call, as the answered one did (same prompt tokens, so the
+    row builder takes it for a retry), rebuilt from the answered call's tokens, rendering and messages."""
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    key = ("r", 0)
+    a, first, messages, answered = continued_once(ledger, key)
     assert [c.call_id for c in ledger.recent_calls(key)] == [answered.call_id]  # first superseded
     held = ledger.held_tokens
     parent = choose_parent(ledger.recent_calls(key), messages)  # the retry: the same messages again
@@ -396,6 +413,48 @@ def test_a_retry_of_an_answered_call_continues_the_call_that_one_continued():
     plain.remember(key, first)
     plain.remember(key, chat_record(1, messages, "A2"), parent=first.call_id)
     assert choose_parent(plain.recent_calls(key), messages) is None
+
+
+def test_a_resend_of_an_older_call_after_a_later_turn_continues_that_call_s_parent():
+    """A harness re-sends call k after call k+1 (which continued k) was answered (a retry that raced the next
+    turn, a sub-agent re-sent): k+1 superseded k, and k had superseded k-1, so only k+1 is recent. The resend
+    must still continue k-1, as k did, with k's prompt tokens, so the row builder drops it as k's duplicate.
+    Before, k+1 remembered only k (its own parent): the resend extended nothing and was rendered afresh."""
+    ledger = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    key = ("r", 0)
+    a, first, m1, second = continued_once(ledger, key)
+    m2 = [*m1, {"role": "assistant", "content": "A2"}, {"role": "user", "content": "more"}]
+    third = chat_record(2, m2, "A3", prompt=[1, 2, 3, 5, 6, 4, 9, 7, 8, 8, 4, 11], completion=[12])
+    ledger.remember(key, third, rendered_prompt=[1, 2, 3, 0, 4, 9, 7, 0, 4, 11], parent=second.call_id)
+    assert [c.call_id for c in ledger.recent_calls(key)] == [third.call_id]
+    held = ledger.held_tokens
+    parent = choose_parent(ledger.recent_calls(key), m1)  # the second call sent again, after the third's answer
+    assert parent is not None and parent.call_id == first.call_id
+    assert list(parent.prompt_token_ids) == [1, 2, 3] and list(parent.completion_token_ids) == [5, 6]
+    assert list(parent.rendered_prompt) == [1, 2, 3] and parent.messages == a
+    assert parent.reply == {"role": "assistant", "content": "A1"}
+    assert ledger.held_tokens == held
+    # the resend, answered on that parent, is remembered with it; the third call's turn stays continuable
+    resend = chat_record(3, m1, "A2'", prompt=[1, 2, 3, 5, 6, 4, 9, 7], completion=[3])
+    ledger.remember(key, resend, rendered_prompt=[1, 2, 3, 0, 4, 9, 7], parent=first.call_id)
+    assert choose_parent(ledger.recent_calls(key), m1).call_id == first.call_id
+    after = [*m2, {"role": "assistant", "content": "A3"}, {"role": "user", "content": "go"}]
+    assert choose_parent(ledger.recent_calls(key), after).call_id == third.call_id
+    # the chain is bounded: a call remembers at most ANCESTORS calls above it
+    calls, messages, prompt, rendered = [first], a, [1, 2, 3], [1, 2, 3]
+    deep = RolloutLedger(max_rollouts=10, max_tokens=10_000)
+    deep.remember(key, first)
+    for seq in range(1, ANCESTORS + 3):
+        messages = [*messages, {"role": "assistant", "content": f"A{seq}"}, {"role": "user", "content": "o"}]
+        prompt, rendered = [*prompt, 5, 6, 4, 9], [*rendered, 0, 4, 9]
+        call = chat_record(seq, messages, f"A{seq + 1}", prompt=prompt, completion=[5, 6])
+        deep.remember(key, call, rendered_prompt=rendered, parent=calls[-1].call_id)
+        calls.append(call)
+    (last,) = deep.recent_calls(key)
+    depth, up = 0, last.continued
+    while up is not None:
+        depth, up = depth + 1, up.up
+    assert depth == ANCESTORS
 
 
 def test_ledger_bounds_rollout_counters():
