@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from harnessrl.store.records import CallRecord, CallStatus, StoredCall
@@ -200,13 +200,20 @@ def reference(sent: list[Sent], max_prompt: int | None, max_row: int | None):
         duplicates += [member for member in run if member is not choice]
     rows, splits, previous = 0, Counter(), None
     row_splits: list[tuple[str | None, int | None]] = []  # per row: why it began and where it left the last
+    earlier: list[tuple[list[int], list[int]]] = []  # rows before the current one: kept content, last prompt
     for s in list(kept):
         if previous is None:
             rows += 1
             row_splits.append((None, None))
         else:
             content = previous.prompt + previous.completion[: keep_count(previous, max_row)]
+            # The builder lets a call continue (or retry the last call of) an earlier row, not only the current
+            # one: interleaved conversations, stated and tested with interleaved_trajectories and in
+            # test_rows.py. This model follows one conversation, so it leaves out the drawn trajectories where a
+            # tiny vocabulary made a call match an earlier row by accident.
+            assume(not any(s.prompt[: len(head)] == head or s.prompt == last for head, last in earlier))
             if s.prompt[: len(content)] != content:
+                earlier.append((content, previous.prompt))
                 rows += 1
                 common = 0
                 while common < min(len(s.prompt), len(content)) and s.prompt[common] == content[common]:
@@ -263,8 +270,17 @@ def check_rows(result, sent: list[Sent], max_row: int | None) -> set[str]:
     return seen
 
 
+def sent_ok(*calls: tuple[list[int], list[int]]) -> list[Sent]:
+    return [Sent(f"c{i}", i, prompt, completion, [-1.0 - i - j / 1000 for j in range(len(completion))],
+                 CallStatus.OK, 0) for i, (prompt, completion) in enumerate(calls)]
+
+
 @settings(max_examples=400, deadline=None)
 @given(sent=trajectories(), max_prompt=limits, max_row=limits)
+# calls that match an earlier row by accident (found by CI): a later call continues the first row, and a later
+# call repeats the first row's prompt (a retry of it); the model leaves these out (see reference)
+@example(sent=sent_ok(([0], [0]), ([0, 1], [0]), ([0, 0, 1, 0], [0])), max_prompt=None, max_row=None)
+@example(sent=sent_ok(([0], [0, 0, 0, 0]), ([0, 0, 0, 0, 1], [0]), ([0], [0])), max_prompt=None, max_row=None)
 def test_merged_rows_match_the_reference_model(sent, max_prompt, max_row):
     kept, n_rows, splits, dropped, row_splits = reference(sent, max_prompt, max_row)
     result = merge_calls_into_rows(delta_encode(sent), max_prompt_tokens=max_prompt, max_row_tokens=max_row)
