@@ -451,10 +451,7 @@ def test_a_resend_of_an_older_call_after_a_later_turn_continues_that_call_s_pare
         deep.remember(key, call, rendered_prompt=rendered, parent=calls[-1].call_id)
         calls.append(call)
     (last,) = deep.recent_calls(key)
-    depth, up = 0, last.continued
-    while up is not None:
-        depth, up = depth + 1, up.up
-    assert depth == ANCESTORS
+    assert last.continued is not None and len(list(last.continued.chain())) == ANCESTORS
 
 
 def test_ledger_bounds_rollout_counters():
